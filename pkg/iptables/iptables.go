@@ -1,0 +1,71 @@
+// Package iptables is kproxy's small interface to iptables: one real
+// implementation (iptables-restore, go-iptables) and one fake that parses and
+// executes restore input against an in-memory ruleset.
+package iptables
+
+import (
+	"context"
+)
+
+// Table is an iptables table name.
+type Table string
+
+// Chain is an iptables chain name.
+type Chain string
+
+const (
+	TableNAT    Table = "nat"
+	TableFilter Table = "filter"
+	TableMangle Table = "mangle"
+
+	ChainPrerouting  Chain = "PREROUTING"
+	ChainPostrouting Chain = "POSTROUTING"
+	ChainOutput      Chain = "OUTPUT"
+	ChainInput       Chain = "INPUT"
+	ChainForward     Chain = "FORWARD"
+)
+
+// Protocol is the IP family an Interface manages.
+type Protocol string
+
+const (
+	ProtocolIPv4 Protocol = "IPv4"
+	ProtocolIPv6 Protocol = "IPv6"
+)
+
+// RulePosition says where EnsureRule puts a missing rule.
+type RulePosition string
+
+const (
+	Prepend RulePosition = "-I"
+	Append  RulePosition = "-A"
+)
+
+// Interface is the whole of kproxy's access to one family's iptables.
+type Interface interface {
+	// Protocol is the family this interface manages.
+	Protocol() Protocol
+	// EnsureChain creates chain if missing; reports whether it existed.
+	EnsureChain(ctx context.Context, table Table, chain Chain) (bool, error)
+	// ChainExists reports whether chain exists in table.
+	ChainExists(ctx context.Context, table Table, chain Chain) (bool, error)
+	// ListChains lists every chain name in table.
+	ListChains(ctx context.Context, table Table) ([]string, error)
+	// EnsureRule adds the rule (args after "-A chain") if it is not present;
+	// reports whether it existed.
+	EnsureRule(ctx context.Context, position RulePosition, table Table, chain Chain, args ...string) (bool, error)
+	// DeleteRule deletes the rule if present; no error when absent.
+	DeleteRule(ctx context.Context, table Table, chain Chain, args ...string) error
+	// FlushChain empties chain; DeleteChain removes an (empty, unreferenced)
+	// chain. Neither fails when the chain is absent.
+	FlushChain(ctx context.Context, table Table, chain Chain) error
+	DeleteChain(ctx context.Context, table Table, chain Chain) error
+	// Restore feeds data (iptables-save format, possibly several tables,
+	// each ending in COMMIT) to iptables-restore --noflush --counters off.
+	// Every table in data is applied atomically.
+	Restore(ctx context.Context, data []byte) error
+	// SaveInto dumps table in iptables-save format.
+	SaveInto(ctx context.Context, table Table) ([]byte, error)
+	// HasRandomFully reports whether MASQUERADE --random-fully is supported.
+	HasRandomFully() bool
+}
