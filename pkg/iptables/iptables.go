@@ -61,7 +61,7 @@ type Interface interface {
 	FlushChain(ctx context.Context, table Table, chain Chain) error
 	DeleteChain(ctx context.Context, table Table, chain Chain) error
 	// Restore feeds data (iptables-save format, possibly several tables,
-	// each ending in COMMIT) to iptables-restore --noflush --counters off.
+	// each ending in COMMIT) to iptables-restore --noflush --counters.
 	// Every table in data is applied atomically.
 	Restore(ctx context.Context, data []byte) error
 	// SaveInto dumps table in iptables-save format.

@@ -69,10 +69,13 @@ func (s *ServicePort) ExternallyAccessible() bool {
 	return s.NodePort != 0 || len(s.ExternalIPs) > 0 || len(s.LoadBalancerVIPs) > 0
 }
 
-// UsesClusterEndpoints reports whether some traffic to this port is routed to
-// the cluster-wide endpoint set (as opposed to only node-local endpoints).
+// UsesClusterEndpoints reports whether the port needs the cluster-wide
+// endpoint set: for ClusterIP traffic under the Cluster policy, and for any
+// externally accessible port (even with externalTrafficPolicy Local, traffic
+// from pods and from the node itself to an external destination is
+// short-circuited to the cluster endpoints, as upstream does).
 func (s *ServicePort) UsesClusterEndpoints() bool {
-	return !s.InternalPolicyLocal || (s.ExternallyAccessible() && !s.ExternalPolicyLocal)
+	return !s.InternalPolicyLocal || s.ExternallyAccessible()
 }
 
 // UsesLocalEndpoints reports whether some traffic to this port is routed to

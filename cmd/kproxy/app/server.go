@@ -1,0 +1,218 @@
+package app
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/spf13/cobra"
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+
+	"github.com/kproxy/kproxy/config"
+	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/proxier"
+	iptbackend "github.com/kproxy/kproxy/proxier/iptables"
+)
+
+// Main runs kproxy with args and returns the process exit code.
+func Main(args []string, stdout, stderr io.Writer) int {
+	cmd := NewCommand(stdout)
+	cmd.SetArgs(args)
+	cmd.SetOut(stdout)
+	cmd.SetErr(stderr)
+	if err := cmd.Execute(); err != nil {
+		fmt.Fprintln(stderr, "kproxy:", err)
+		return 1
+	}
+	return 0
+}
+
+// NewCommand builds the cobra command.
+func NewCommand(stdout io.Writer) *cobra.Command {
+	o := NewOptions()
+	cmd := &cobra.Command{
+		Use:   "kproxy",
+		Short: "kproxy: a Kubernetes node dataplane agent that replaces kube-proxy",
+		Long: `kproxy watches Services, EndpointSlices and Nodes and programs this node's
+kernel (iptables) so that every Service works: ClusterIP, NodePort, ExternalIPs,
+LoadBalancer, traffic policies, session affinity and topology-aware routing.`,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		Args:          cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if o.ShowVersion {
+				fmt.Fprintln(stdout, "kproxy", Version)
+				return nil
+			}
+			if err := o.Validate(); err != nil {
+				return fmt.Errorf("invalid flags:\n%w", err)
+			}
+			ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+			defer cancel()
+			ctx = klog.NewContext(ctx, klog.Background())
+			if o.Cleanup {
+				return RunCleanup(ctx, o)
+			}
+			return Run(ctx, o)
+		},
+	}
+	o.AddFlags(cmd.Flags())
+	klogFlags := goFlagSet()
+	cmd.Flags().AddGoFlagSet(klogFlags)
+	return cmd
+}
+
+// iptablesFor returns a real iptables interface for each usable family;
+// IPv6 is optional (a node without ip6tables or IPv6 runs IPv4 only).
+func iptablesFor(ctx context.Context) (map[v1.IPFamily]ipt.Interface, error) {
+	logger := klog.FromContext(ctx)
+	out := map[v1.IPFamily]ipt.Interface{}
+	v4, err := ipt.New(ctx, ipt.Options{Protocol: ipt.ProtocolIPv4})
+	if err != nil {
+		return nil, fmt.Errorf("iptables (IPv4) is not usable: %w", err)
+	}
+	out[v1.IPv4Protocol] = v4
+	v6, err := ipt.New(ctx, ipt.Options{Protocol: ipt.ProtocolIPv6})
+	if err != nil {
+		logger.Info("IPv6 iptables is not usable; running IPv4 only", "err", err)
+	} else {
+		out[v1.IPv6Protocol] = v6
+	}
+	return out, nil
+}
+
+// RunCleanup removes every rule kproxy created and returns.
+func RunCleanup(ctx context.Context, o *Options) error {
+	logger := klog.FromContext(ctx)
+	ipts, err := iptablesFor(ctx)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for fam, i := range ipts {
+		b, err := iptbackend.New(iptbackend.Options{IPTables: i})
+		if err != nil {
+			return err
+		}
+		if err := b.Cleanup(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("%s cleanup: %w", fam, err))
+			continue
+		}
+		logger.Info("Removed kproxy iptables rules", "family", fam)
+	}
+	return errors.Join(errs...)
+}
+
+// nodeName is --hostname-override or the hostname, lowercased as the
+// kubelet registers it.
+func nodeName(o *Options) (string, error) {
+	name := o.HostnameOverride
+	if name == "" {
+		h, err := os.Hostname()
+		if err != nil {
+			return "", fmt.Errorf("getting hostname: %w", err)
+		}
+		name = h
+	}
+	name = strings.ToLower(strings.TrimSpace(name))
+	if name == "" {
+		return "", errors.New("empty node name")
+	}
+	return name, nil
+}
+
+// Run is kproxy's main loop: it returns when ctx is done.
+func Run(ctx context.Context, o *Options) error {
+	logger := klog.FromContext(ctx)
+	name, err := nodeName(o)
+	if err != nil {
+		return err
+	}
+	restCfg, err := clientcmd.BuildConfigFromFlags(o.Master, o.Kubeconfig)
+	if err != nil {
+		return fmt.Errorf("building API client config: %w", err)
+	}
+	restCfg.UserAgent = "kproxy/" + Version
+	client, err := kubernetes.NewForConfig(restCfg)
+	if err != nil {
+		return fmt.Errorf("building API client: %w", err)
+	}
+	ipts, err := iptablesFor(ctx)
+	if err != nil {
+		return err
+	}
+	cidrs, _ := o.clusterCIDRs()
+	npPrefixes, _ := o.nodePortPrefixes()
+
+	engines := map[v1.IPFamily]proxier.Proxier{}
+	for fam, i := range ipts {
+		var np []netip.Prefix
+		if len(o.NodePortAddresses) > 0 {
+			np = append([]netip.Prefix{}, npPrefixes[fam]...)
+		}
+		bit := o.MasqueradeBit
+		backend, err := iptbackend.New(iptbackend.Options{
+			IPTables: i, MasqueradeBit: &bit, MasqueradeAll: o.MasqueradeAll,
+			ClusterCIDR: cidrs[fam], NodePortAddresses: np, BatchChains: o.IPTablesBatchChain,
+			CanaryInterval: o.SyncPeriod,
+		})
+		if err != nil {
+			return err
+		}
+		e, err := proxier.NewEngine(proxier.EngineOptions{
+			Family: fam, NodeName: name, Backend: backend,
+			MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Logger: logger,
+		})
+		if err != nil {
+			return err
+		}
+		engines[fam] = e
+	}
+	var p proxier.Proxier = engines[v1.IPv4Protocol]
+	if v6, ok := engines[v1.IPv6Protocol]; ok {
+		p = proxier.NewMetaProxier(engines[v1.IPv4Protocol], v6)
+	}
+
+	svcFactory, nodeFactory, err := config.NewInformerFactories(config.InformerOptions{
+		Client: client, ResyncPeriod: o.ConfigSyncPeriod, ServiceProxyName: o.ServiceProxyName,
+	})
+	if err != nil {
+		return err
+	}
+	svcCfg, err := config.NewServiceConfig(ctx, svcFactory.Core().V1().Services(), o.ConfigSyncPeriod)
+	if err != nil {
+		return err
+	}
+	svcCfg.RegisterEventHandler(p)
+	epCfg, err := config.NewEndpointSliceConfig(ctx, svcFactory.Discovery().V1().EndpointSlices(), o.ConfigSyncPeriod)
+	if err != nil {
+		return err
+	}
+	epCfg.RegisterEventHandler(p)
+	nodeCfg, err := config.NewNodeConfig(ctx, nodeFactory.Core().V1().Nodes(), o.ConfigSyncPeriod)
+	if err != nil {
+		return err
+	}
+	nodeCfg.RegisterEventHandler(p)
+
+	logger.Info("Starting kproxy", "version", Version, "node", name, "mode", ModeIPTables, "families", len(engines))
+	svcFactory.Start(ctx.Done())
+	nodeFactory.Start(ctx.Done())
+	go svcCfg.Run(ctx)
+	go epCfg.Run(ctx)
+	go nodeCfg.Run(ctx)
+	p.SyncLoop(ctx)
+	svcFactory.Shutdown()
+	nodeFactory.Shutdown()
+	logger.Info("kproxy stopped; rules stay in place until the next kproxy or --cleanup")
+	return nil
+}

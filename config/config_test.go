@@ -1,0 +1,839 @@
+package config
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes/fake"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2/ktesting"
+)
+
+func TestServiceSelector(t *testing.T) {
+	cases := []struct {
+		name      string
+		proxyName string
+		labels    map[string]string
+		wantMatch bool
+	}{
+		{name: "default proxy takes unlabelled objects", labels: nil, wantMatch: true},
+		{name: "default proxy ignores unrelated labels", labels: map[string]string{"app": "web"}, wantMatch: true},
+		{name: "default proxy skips objects of a named proxy", labels: map[string]string{LabelServiceProxyName: "other"}, wantMatch: false},
+		{name: "default proxy skips an empty proxy name label", labels: map[string]string{LabelServiceProxyName: ""}, wantMatch: false},
+		{name: "default proxy skips headless slices", labels: map[string]string{LabelHeadless: ""}, wantMatch: false},
+		{name: "named proxy takes its own objects", proxyName: "kproxy", labels: map[string]string{LabelServiceProxyName: "kproxy"}, wantMatch: true},
+		{name: "named proxy skips other proxies' objects", proxyName: "kproxy", labels: map[string]string{LabelServiceProxyName: "other"}, wantMatch: false},
+		{name: "named proxy skips unlabelled objects", proxyName: "kproxy", labels: nil, wantMatch: false},
+		{name: "named proxy skips its own headless slices", proxyName: "kproxy", labels: map[string]string{LabelServiceProxyName: "kproxy", LabelHeadless: ""}, wantMatch: false},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			selector, err := ServiceSelector(tc.proxyName)
+			if err != nil {
+				t.Fatalf("ServiceSelector(%q): %v", tc.proxyName, err)
+			}
+			if got := selector.Matches(labels.Set(tc.labels)); got != tc.wantMatch {
+				t.Errorf("selector %q matches %v = %v, want %v", selector, tc.labels, got, tc.wantMatch)
+			}
+		})
+	}
+}
+
+func TestServiceSelectorString(t *testing.T) {
+	cases := []struct {
+		name      string
+		proxyName string
+		want      string
+	}{
+		{name: "default proxy", want: "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"},
+		{name: "named proxy", proxyName: "kproxy", want: "service.kubernetes.io/service-proxy-name=kproxy,!service.kubernetes.io/headless"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			selector, err := ServiceSelector(tc.proxyName)
+			if err != nil {
+				t.Fatalf("ServiceSelector(%q): %v", tc.proxyName, err)
+			}
+			want, err := labels.Parse(tc.want)
+			if err != nil {
+				t.Fatalf("parsing %q: %v", tc.want, err)
+			}
+			// Selectors render their requirements sorted by key, so compare
+			// canonical forms.
+			if selector.String() != want.String() {
+				t.Errorf("selector = %q, want %q", selector, want)
+			}
+		})
+	}
+}
+
+func TestServiceSelectorRejectsInvalidNames(t *testing.T) {
+	cases := []struct {
+		name      string
+		proxyName string
+	}{
+		{name: "spaces", proxyName: "my proxy"},
+		{name: "leading dash", proxyName: "-kproxy"},
+		{name: "too long", proxyName: strings.Repeat("k", 64)},
+		{name: "selector syntax", proxyName: "a,b"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			if selector, err := ServiceSelector(tc.proxyName); err == nil {
+				t.Errorf("ServiceSelector(%q) = %q, want an error", tc.proxyName, selector)
+			}
+		})
+	}
+}
+
+func TestNewInformerFactoriesRejectsBadOptions(t *testing.T) {
+	cases := []struct {
+		name string
+		opts InformerOptions
+	}{
+		{name: "no client", opts: InformerOptions{}},
+		{name: "invalid service proxy name", opts: InformerOptions{Client: fake.NewClientset(), ServiceProxyName: "not valid"}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			services, nodes, err := NewInformerFactories(tc.opts)
+			if err == nil {
+				t.Fatal("NewInformerFactories succeeded, want an error")
+			}
+			if services != nil || nodes != nil {
+				t.Errorf("got factories (%v, %v) with an error, want nil", services, nodes)
+			}
+		})
+	}
+}
+
+// op is one API call a test case makes after the initial sync.
+type op[T object] struct {
+	verb string // "create", "update" or "delete"
+	obj  T
+}
+
+func create[T object](obj T) op[T] { return op[T]{verb: "create", obj: obj} }
+func update[T object](obj T) op[T] { return op[T]{verb: "update", obj: obj} }
+func remove[T object](obj T) op[T] { return op[T]{verb: "delete", obj: obj} }
+
+// harness drives one kind of object through its config.
+type harness[T object] struct {
+	// start builds the informer factories for proxyName on client, a config
+	// feeding every recorder, starts the factory and runs the config until
+	// synced.
+	start func(ctx context.Context, t *testing.T, client *fake.Clientset, proxyName string, recs []*recorder[T])
+	apply func(ctx context.Context, client *fake.Clientset, o op[T]) error
+	// barrier is an object every config built for proxyName receives.
+	barrier func(proxyName string) T
+}
+
+type configCase[T object] struct {
+	name      string
+	proxyName string
+	initial   []T
+	ops       []op[T]
+	// wantAtSync are the object keys handlers held when told of the sync.
+	wantAtSync []string
+	// want are the object keys handlers hold after every op.
+	want []string
+	// wantCounts counts the events delivered for initial and ops.
+	wantCounts eventCounts
+	check      func(t *testing.T, s recorderState[T])
+}
+
+// runConfigCases runs each case against two handlers registered on one
+// config. After the ops it creates a barrier object and waits for it: events
+// reach each handler in order, so once the barrier arrived every earlier
+// event (or its absence) is final.
+func runConfigCases[T object](t *testing.T, h harness[T], cases []configCase[T]) {
+	t.Helper()
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			initial := make([]runtime.Object, 0, len(tc.initial))
+			for _, obj := range tc.initial {
+				initial = append(initial, obj)
+			}
+			client := newFakeClient(initial...)
+			recs := []*recorder[T]{newRecorder[T](), newRecorder[T]()}
+			h.start(ctx, t, client, tc.proxyName, recs)
+
+			for i, rec := range recs {
+				s := rec.state()
+				if s.syncedCalls != 1 {
+					t.Errorf("handler %d: synced called %d times, want 1", i, s.syncedCalls)
+				}
+				if !slices.Equal(s.keysAtSync, tc.wantAtSync) {
+					t.Errorf("handler %d: objects at sync = %v, want %v", i, s.keysAtSync, tc.wantAtSync)
+				}
+			}
+
+			for _, o := range tc.ops {
+				if err := h.apply(ctx, client, o); err != nil {
+					t.Fatalf("%s %s: %v", o.verb, objectKey(o.obj), err)
+				}
+			}
+			barrier := h.barrier(tc.proxyName)
+			if err := h.apply(ctx, client, create(barrier)); err != nil {
+				t.Fatalf("creating barrier: %v", err)
+			}
+			for i, rec := range recs {
+				waitUntil(ctx, t, fmt.Sprintf("the barrier to reach handler %d", i), func() bool {
+					return rec.has(objectKey(barrier))
+				})
+			}
+
+			wantCounts := tc.wantCounts
+			wantCounts.Adds++ // the barrier
+			for i, rec := range recs {
+				s := rec.state()
+				keys := slices.DeleteFunc(slices.Clone(s.keys), func(k string) bool { return k == objectKey(barrier) })
+				if !slices.Equal(keys, tc.want) {
+					t.Errorf("handler %d: objects = %v, want %v", i, keys, tc.want)
+				}
+				if s.counts != wantCounts {
+					t.Errorf("handler %d: events = %+v, want %+v (including the barrier add)", i, s.counts, wantCounts)
+				}
+				if s.syncedCalls != 1 {
+					t.Errorf("handler %d: synced called %d times, want 1", i, s.syncedCalls)
+				}
+				for _, v := range s.violations {
+					t.Errorf("handler %d: inconsistent event stream: %s", i, v)
+				}
+				if tc.check != nil {
+					tc.check(t, s)
+				}
+			}
+		})
+	}
+}
+
+// startFactory starts factory and arranges for it to be stopped, after ctx
+// is cancelled, when the test ends.
+func startFactory(ctx context.Context, t *testing.T, factory informers.SharedInformerFactory) context.Context {
+	ctx, cancel := context.WithCancel(ctx)
+	t.Cleanup(func() {
+		cancel()
+		factory.Shutdown()
+	})
+	factory.Start(ctx.Done())
+	return ctx
+}
+
+func proxyLabels(proxyName string) map[string]string {
+	if proxyName == "" {
+		return nil
+	}
+	return map[string]string{LabelServiceProxyName: proxyName}
+}
+
+var serviceHarness = harness[*v1.Service]{
+	start: func(ctx context.Context, t *testing.T, client *fake.Clientset, proxyName string, recs []*recorder[*v1.Service]) {
+		services, _, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: proxyName})
+		if err != nil {
+			t.Fatalf("NewInformerFactories: %v", err)
+		}
+		cfg, err := NewServiceConfig(ctx, services.Core().V1().Services(), 0)
+		if err != nil {
+			t.Fatalf("NewServiceConfig: %v", err)
+		}
+		for _, rec := range recs {
+			cfg.RegisterEventHandler(serviceRecorder{rec})
+		}
+		cfg.Run(startFactory(ctx, t, services))
+	},
+	apply: func(ctx context.Context, client *fake.Clientset, o op[*v1.Service]) error {
+		services := client.CoreV1().Services(o.obj.Namespace)
+		var err error
+		switch o.verb {
+		case "create":
+			_, err = services.Create(ctx, o.obj, metav1.CreateOptions{})
+		case "update":
+			_, err = services.Update(ctx, o.obj, metav1.UpdateOptions{})
+		case "delete":
+			err = services.Delete(ctx, o.obj.Name, metav1.DeleteOptions{})
+		}
+		return err
+	},
+	barrier: func(proxyName string) *v1.Service {
+		return newService("barrier", "barrier", withServiceLabels(proxyLabels(proxyName)))
+	},
+}
+
+func TestServiceConfig(t *testing.T) {
+	kproxyLabels := map[string]string{LabelServiceProxyName: "kproxy"}
+	otherLabels := map[string]string{LabelServiceProxyName: "other"}
+	cases := []configCase[*v1.Service]{
+		{
+			name:       "initial services are delivered before synced",
+			initial:    []*v1.Service{newService("ns", "a"), newService("ns", "b")},
+			wantAtSync: []string{"ns/a", "ns/b"},
+			want:       []string{"ns/a", "ns/b"},
+			wantCounts: eventCounts{Adds: 2},
+		},
+		{
+			name:    "add update and delete after sync reach every handler",
+			initial: []*v1.Service{newService("ns", "a"), newService("ns", "c")},
+			ops: []op[*v1.Service]{
+				create(newService("ns", "b")),
+				update(newService("ns", "a", withPort(8080))),
+				remove(newService("ns", "c")),
+			},
+			wantAtSync: []string{"ns/a", "ns/c"},
+			want:       []string{"ns/a", "ns/b"},
+			wantCounts: eventCounts{Adds: 3, Updates: 1, Deletes: 1},
+			check: func(t *testing.T, s recorderState[*v1.Service]) {
+				if got := s.current["ns/a"].Spec.Ports[0].Port; got != 8080 {
+					t.Errorf("ns/a port = %d, want 8080", got)
+				}
+				if got := s.lastOld["ns/a"].Spec.Ports[0].Port; got != 80 {
+					t.Errorf("ns/a old port in update = %d, want 80", got)
+				}
+			},
+		},
+		{
+			name: "headless and ExternalName services are not delivered",
+			initial: []*v1.Service{
+				newService("ns", "headless", withHeadless()),
+				newService("ns", "external", withExternalName()),
+				newService("ns", "plain"),
+			},
+			ops: []op[*v1.Service]{
+				create(newService("ns", "headless2", withHeadless())),
+				create(newService("ns", "external2", withExternalName())),
+				update(newService("ns", "headless", withHeadless(), withPort(81))),
+				remove(newService("ns", "external", withExternalName())),
+			},
+			wantAtSync: []string{"ns/plain"},
+			want:       []string{"ns/plain"},
+			wantCounts: eventCounts{Adds: 1},
+		},
+		{
+			name:       "service turned headless is delivered as a delete",
+			initial:    []*v1.Service{newService("ns", "a")},
+			ops:        []op[*v1.Service]{update(newService("ns", "a", withHeadless()))},
+			wantAtSync: []string{"ns/a"},
+			want:       nil,
+			wantCounts: eventCounts{Adds: 1, Deletes: 1},
+		},
+		{
+			name:       "headless service given a cluster IP is delivered as an add",
+			initial:    []*v1.Service{newService("ns", "h", withHeadless())},
+			ops:        []op[*v1.Service]{update(newService("ns", "h", withClusterIP("10.96.0.20")))},
+			wantAtSync: nil,
+			want:       []string{"ns/h"},
+			wantCounts: eventCounts{Adds: 1},
+			check: func(t *testing.T, s recorderState[*v1.Service]) {
+				if got := s.current["ns/h"].Spec.ClusterIP; got != "10.96.0.20" {
+					t.Errorf("ns/h cluster IP = %q, want 10.96.0.20", got)
+				}
+			},
+		},
+		{
+			name:    "ExternalName service turned ClusterIP and back is an add then a delete",
+			initial: []*v1.Service{newService("ns", "e", withExternalName())},
+			ops: []op[*v1.Service]{
+				update(newService("ns", "e")),
+				update(newService("ns", "e", withExternalName())),
+			},
+			wantAtSync: nil,
+			want:       nil,
+			wantCounts: eventCounts{Adds: 1, Deletes: 1},
+		},
+		{
+			name:       "default proxy ignores services of named proxies",
+			initial:    []*v1.Service{newService("ns", "other", withServiceLabels(otherLabels)), newService("ns", "plain")},
+			ops:        []op[*v1.Service]{create(newService("ns", "other2", withServiceLabels(otherLabels)))},
+			wantAtSync: []string{"ns/plain"},
+			want:       []string{"ns/plain"},
+			wantCounts: eventCounts{Adds: 1},
+		},
+		{
+			name:      "named proxy takes only services labelled with its name",
+			proxyName: "kproxy",
+			initial: []*v1.Service{
+				newService("ns", "mine", withServiceLabels(kproxyLabels)),
+				newService("ns", "other", withServiceLabels(otherLabels)),
+				newService("ns", "plain"),
+			},
+			ops: []op[*v1.Service]{
+				create(newService("ns", "mine2", withServiceLabels(kproxyLabels))),
+				create(newService("ns", "plain2")),
+			},
+			wantAtSync: []string{"ns/mine"},
+			want:       []string{"ns/mine", "ns/mine2"},
+			wantCounts: eventCounts{Adds: 2},
+		},
+	}
+	runConfigCases(t, serviceHarness, cases)
+}
+
+// TestServiceProxyNameSelectsConfig runs a default and a named proxy's
+// configs on one API: each sees only its own services.
+func TestServiceProxyNameSelectsConfig(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	client := newFakeClient(
+		newService("ns", "plain"),
+		newService("ns", "mine", withServiceLabels(proxyLabels("kproxy"))),
+		newService("ns", "third", withServiceLabels(proxyLabels("third"))),
+	)
+	proxies := []struct {
+		proxyName string
+		want      []string
+	}{
+		{proxyName: "", want: []string{"ns/plain", "ns/plain2"}},
+		{proxyName: "kproxy", want: []string{"ns/mine", "ns/mine2"}},
+	}
+	recs := make([]*recorder[*v1.Service], len(proxies))
+	for i, p := range proxies {
+		recs[i] = newRecorder[*v1.Service]()
+		serviceHarness.start(ctx, t, client, p.proxyName, recs[i:i+1])
+	}
+	for _, svc := range []*v1.Service{
+		newService("ns", "plain2"),
+		newService("ns", "mine2", withServiceLabels(proxyLabels("kproxy"))),
+		newService("ns", "third2", withServiceLabels(proxyLabels("third"))),
+	} {
+		if err := serviceHarness.apply(ctx, client, create(svc)); err != nil {
+			t.Fatalf("creating %s: %v", svc.Name, err)
+		}
+	}
+	for i, p := range proxies {
+		barrier := serviceHarness.barrier(p.proxyName)
+		barrier.Name = "barrier-" + p.proxyName
+		if err := serviceHarness.apply(ctx, client, create(barrier)); err != nil {
+			t.Fatalf("creating barrier: %v", err)
+		}
+		waitUntil(ctx, t, "barrier for proxy "+p.proxyName, func() bool { return recs[i].has(objectKey(barrier)) })
+	}
+	for i, p := range proxies {
+		s := recs[i].state()
+		keys := slices.DeleteFunc(slices.Clone(s.keys), func(k string) bool { return strings.HasPrefix(k, "barrier/") })
+		if !slices.Equal(keys, p.want) {
+			t.Errorf("proxy %q: services = %v, want %v", p.proxyName, keys, p.want)
+		}
+		for _, v := range s.violations {
+			t.Errorf("proxy %q: inconsistent event stream: %s", p.proxyName, v)
+		}
+	}
+}
+
+var sliceHarness = harness[*discovery.EndpointSlice]{
+	start: func(ctx context.Context, t *testing.T, client *fake.Clientset, proxyName string, recs []*recorder[*discovery.EndpointSlice]) {
+		services, _, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: proxyName})
+		if err != nil {
+			t.Fatalf("NewInformerFactories: %v", err)
+		}
+		cfg, err := NewEndpointSliceConfig(ctx, services.Discovery().V1().EndpointSlices(), 0)
+		if err != nil {
+			t.Fatalf("NewEndpointSliceConfig: %v", err)
+		}
+		for _, rec := range recs {
+			cfg.RegisterEventHandler(sliceRecorder{rec})
+		}
+		cfg.Run(startFactory(ctx, t, services))
+	},
+	apply: func(ctx context.Context, client *fake.Clientset, o op[*discovery.EndpointSlice]) error {
+		slices := client.DiscoveryV1().EndpointSlices(o.obj.Namespace)
+		var err error
+		switch o.verb {
+		case "create":
+			_, err = slices.Create(ctx, o.obj, metav1.CreateOptions{})
+		case "update":
+			_, err = slices.Update(ctx, o.obj, metav1.UpdateOptions{})
+		case "delete":
+			err = slices.Delete(ctx, o.obj.Name, metav1.DeleteOptions{})
+		}
+		return err
+	},
+	barrier: func(proxyName string) *discovery.EndpointSlice {
+		return newSlice("barrier", "barrier", proxyLabels(proxyName), "10.0.0.1")
+	},
+}
+
+func TestEndpointSliceConfig(t *testing.T) {
+	headless := map[string]string{LabelHeadless: ""}
+	kproxyLabels := proxyLabels("kproxy")
+	otherLabels := proxyLabels("other")
+	cases := []configCase[*discovery.EndpointSlice]{
+		{
+			name:       "initial slices are delivered before synced",
+			initial:    []*discovery.EndpointSlice{newSlice("ns", "a", nil, "10.0.0.1"), newSlice("ns", "b", nil, "10.0.0.2")},
+			wantAtSync: []string{"ns/a", "ns/b"},
+			want:       []string{"ns/a", "ns/b"},
+			wantCounts: eventCounts{Adds: 2},
+		},
+		{
+			name:    "add update and delete after sync reach every handler",
+			initial: []*discovery.EndpointSlice{newSlice("ns", "a", nil, "10.0.0.1"), newSlice("ns", "c", nil, "10.0.0.3")},
+			ops: []op[*discovery.EndpointSlice]{
+				create(newSlice("ns", "b", nil, "10.0.0.2")),
+				update(newSlice("ns", "a", nil, "10.0.0.1", "10.0.0.4")),
+				remove(newSlice("ns", "c", nil)),
+			},
+			wantAtSync: []string{"ns/a", "ns/c"},
+			want:       []string{"ns/a", "ns/b"},
+			wantCounts: eventCounts{Adds: 3, Updates: 1, Deletes: 1},
+			check: func(t *testing.T, s recorderState[*discovery.EndpointSlice]) {
+				if got := len(s.current["ns/a"].Endpoints); got != 2 {
+					t.Errorf("ns/a has %d endpoints, want 2", got)
+				}
+				if got := len(s.lastOld["ns/a"].Endpoints); got != 1 {
+					t.Errorf("ns/a old slice in update has %d endpoints, want 1", got)
+				}
+			},
+		},
+		{
+			name:       "slices of headless services are not delivered",
+			initial:    []*discovery.EndpointSlice{newSlice("ns", "h", headless, "10.0.0.1"), newSlice("ns", "plain", nil, "10.0.0.2")},
+			ops:        []op[*discovery.EndpointSlice]{create(newSlice("ns", "h2", headless, "10.0.0.3"))},
+			wantAtSync: []string{"ns/plain"},
+			want:       []string{"ns/plain"},
+			wantCounts: eventCounts{Adds: 1},
+		},
+		{
+			name:       "default proxy ignores slices of named proxies",
+			initial:    []*discovery.EndpointSlice{newSlice("ns", "other", otherLabels, "10.0.0.1")},
+			ops:        []op[*discovery.EndpointSlice]{create(newSlice("ns", "other2", otherLabels, "10.0.0.2"))},
+			wantAtSync: nil,
+			want:       nil,
+		},
+		{
+			name:      "named proxy takes only slices labelled with its name",
+			proxyName: "kproxy",
+			initial: []*discovery.EndpointSlice{
+				newSlice("ns", "mine", kproxyLabels, "10.0.0.1"),
+				newSlice("ns", "plain", nil, "10.0.0.2"),
+				newSlice("ns", "other", otherLabels, "10.0.0.3"),
+			},
+			ops: []op[*discovery.EndpointSlice]{
+				create(newSlice("ns", "mine2", kproxyLabels, "10.0.0.4")),
+				create(newSlice("ns", "plain2", nil, "10.0.0.5")),
+				create(newSlice("ns", "mine-headless", map[string]string{LabelServiceProxyName: "kproxy", LabelHeadless: ""}, "10.0.0.6")),
+			},
+			wantAtSync: []string{"ns/mine"},
+			want:       []string{"ns/mine", "ns/mine2"},
+			wantCounts: eventCounts{Adds: 2},
+		},
+	}
+	runConfigCases(t, sliceHarness, cases)
+}
+
+var nodeHarness = harness[*v1.Node]{
+	start: func(ctx context.Context, t *testing.T, client *fake.Clientset, proxyName string, recs []*recorder[*v1.Node]) {
+		_, nodes, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: proxyName})
+		if err != nil {
+			t.Fatalf("NewInformerFactories: %v", err)
+		}
+		cfg, err := NewNodeConfig(ctx, nodes.Core().V1().Nodes(), 0)
+		if err != nil {
+			t.Fatalf("NewNodeConfig: %v", err)
+		}
+		for _, rec := range recs {
+			cfg.RegisterEventHandler(nodeRecorder{rec})
+		}
+		cfg.Run(startFactory(ctx, t, nodes))
+	},
+	apply: func(ctx context.Context, client *fake.Clientset, o op[*v1.Node]) error {
+		nodes := client.CoreV1().Nodes()
+		var err error
+		switch o.verb {
+		case "create":
+			_, err = nodes.Create(ctx, o.obj, metav1.CreateOptions{})
+		case "update":
+			_, err = nodes.Update(ctx, o.obj, metav1.UpdateOptions{})
+		case "delete":
+			err = nodes.Delete(ctx, o.obj.Name, metav1.DeleteOptions{})
+		}
+		return err
+	},
+	barrier: func(string) *v1.Node { return newNode("barrier", nil) },
+}
+
+func TestNodeConfig(t *testing.T) {
+	zoneA := map[string]string{v1.LabelTopologyZone: "a"}
+	zoneB := map[string]string{v1.LabelTopologyZone: "b"}
+	// Labels that would exclude a Service or EndpointSlice must not affect
+	// nodes: the node informer is unfiltered.
+	serviceFilterLabels := map[string]string{LabelServiceProxyName: "other", LabelHeadless: ""}
+	cases := []configCase[*v1.Node]{
+		{
+			name:       "every initial node is delivered before synced",
+			initial:    []*v1.Node{newNode("n1", zoneA), newNode("n2", nil), newNode("n3", serviceFilterLabels)},
+			wantAtSync: []string{"n1", "n2", "n3"},
+			want:       []string{"n1", "n2", "n3"},
+			wantCounts: eventCounts{Adds: 3},
+		},
+		{
+			name:    "add update and delete after sync reach every handler",
+			initial: []*v1.Node{newNode("n1", zoneA), newNode("n3", nil)},
+			ops: []op[*v1.Node]{
+				create(newNode("n2", serviceFilterLabels)),
+				update(newNode("n1", zoneB)),
+				remove(newNode("n3", nil)),
+			},
+			wantAtSync: []string{"n1", "n3"},
+			want:       []string{"n1", "n2"},
+			wantCounts: eventCounts{Adds: 3, Updates: 1, Deletes: 1},
+			check: func(t *testing.T, s recorderState[*v1.Node]) {
+				if got := s.current["n1"].Labels[v1.LabelTopologyZone]; got != "b" {
+					t.Errorf("n1 zone = %q, want b", got)
+				}
+				if got := s.lastOld["n1"].Labels[v1.LabelTopologyZone]; got != "a" {
+					t.Errorf("n1 old zone in update = %q, want a", got)
+				}
+			},
+		},
+		{
+			name:       "a named proxy still sees every node",
+			proxyName:  "kproxy",
+			initial:    []*v1.Node{newNode("n1", nil), newNode("n2", proxyLabels("kproxy")), newNode("n3", proxyLabels("other"))},
+			ops:        []op[*v1.Node]{create(newNode("n4", nil))},
+			wantAtSync: []string{"n1", "n2", "n3"},
+			want:       []string{"n1", "n2", "n3", "n4"},
+			wantCounts: eventCounts{Adds: 4},
+		},
+	}
+	runConfigCases(t, nodeHarness, cases)
+}
+
+// directHarness feeds raw informer callbacks (tombstones, wrong types) to a
+// config's event handler, which real informers rarely produce on demand.
+type directHarness[T object] struct {
+	// handler builds a config on a never-started informer and returns its
+	// informer event handler, fanning out to rec.
+	handler func(ctx context.Context, t *testing.T, rec *recorder[T]) cache.ResourceEventHandler
+	obj     T
+	// wrong is an object of another kind.
+	wrong any
+}
+
+type directCase struct {
+	name       string
+	events     func(h cache.ResourceEventHandler, obj, wrong any)
+	want       []string
+	wantCounts eventCounts
+}
+
+var directCases = []directCase{
+	{
+		name: "plain delete",
+		events: func(h cache.ResourceEventHandler, obj, _ any) {
+			h.OnAdd(obj, true)
+			h.OnDelete(obj)
+		},
+		wantCounts: eventCounts{Adds: 1, Deletes: 1},
+	},
+	{
+		name: "tombstone delete is unwrapped",
+		events: func(h cache.ResourceEventHandler, obj, _ any) {
+			h.OnAdd(obj, false)
+			h.OnDelete(cache.DeletedFinalStateUnknown{Key: "ns/x", Obj: obj})
+		},
+		wantCounts: eventCounts{Adds: 1, Deletes: 1},
+	},
+	{
+		name: "tombstone holding the wrong type is skipped",
+		events: func(h cache.ResourceEventHandler, obj, wrong any) {
+			h.OnAdd(obj, false)
+			h.OnDelete(cache.DeletedFinalStateUnknown{Key: "ns/x", Obj: wrong})
+		},
+		want:       []string{"ns/x"},
+		wantCounts: eventCounts{Adds: 1},
+	},
+	{
+		name: "add of the wrong type is skipped",
+		events: func(h cache.ResourceEventHandler, _, wrong any) {
+			h.OnAdd(wrong, false)
+			h.OnAdd("not an object", false)
+		},
+	},
+	{
+		name: "update with a wrong type is skipped",
+		events: func(h cache.ResourceEventHandler, obj, wrong any) {
+			h.OnAdd(obj, false)
+			h.OnUpdate(obj, wrong)
+			h.OnUpdate(wrong, obj)
+		},
+		want:       []string{"ns/x"},
+		wantCounts: eventCounts{Adds: 1},
+	},
+	{
+		name: "delete of the wrong type is skipped",
+		events: func(h cache.ResourceEventHandler, obj, wrong any) {
+			h.OnAdd(obj, false)
+			h.OnDelete(wrong)
+		},
+		want:       []string{"ns/x"},
+		wantCounts: eventCounts{Adds: 1},
+	},
+	{
+		name: "update delivers old and new",
+		events: func(h cache.ResourceEventHandler, obj, _ any) {
+			h.OnAdd(obj, false)
+			h.OnUpdate(obj, obj)
+		},
+		want:       []string{"ns/x"},
+		wantCounts: eventCounts{Adds: 1, Updates: 1},
+	},
+}
+
+func runDirectCases[T object](t *testing.T, h directHarness[T], cases []directCase) {
+	t.Helper()
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			rec := newRecorder[T]()
+			tc.events(h.handler(ctx, t, rec), h.obj, h.wrong)
+			s := rec.state()
+			if !slices.Equal(s.keys, tc.want) {
+				t.Errorf("objects = %v, want %v", s.keys, tc.want)
+			}
+			if s.counts != tc.wantCounts {
+				t.Errorf("events = %+v, want %+v", s.counts, tc.wantCounts)
+			}
+			for _, v := range s.violations {
+				t.Errorf("inconsistent event stream: %s", v)
+			}
+		})
+	}
+}
+
+// idle returns a factory that is never started: configs register on it but
+// nothing is delivered unless a test calls the handlers itself.
+func idle() informers.SharedInformerFactory {
+	return informers.NewSharedInformerFactory(fake.NewClientset(), 0)
+}
+
+func TestServiceConfigDirectEvents(t *testing.T) {
+	h := directHarness[*v1.Service]{
+		handler: func(ctx context.Context, t *testing.T, rec *recorder[*v1.Service]) cache.ResourceEventHandler {
+			cfg, err := NewServiceConfig(ctx, idle().Core().V1().Services(), 0)
+			if err != nil {
+				t.Fatalf("NewServiceConfig: %v", err)
+			}
+			cfg.RegisterEventHandler(serviceRecorder{rec})
+			return cfg.eventHandler()
+		},
+		obj:   newService("ns", "x"),
+		wrong: newNode("x", nil),
+	}
+	cases := append(slices.Clone(directCases),
+		directCase{
+			name: "tombstone of a headless service is skipped",
+			events: func(h cache.ResourceEventHandler, _, _ any) {
+				h.OnDelete(cache.DeletedFinalStateUnknown{Key: "ns/h", Obj: newService("ns", "h", withHeadless())})
+			},
+		},
+		directCase{
+			name: "typed nil service is skipped",
+			events: func(h cache.ResourceEventHandler, _, _ any) {
+				h.OnAdd((*v1.Service)(nil), false)
+			},
+		},
+	)
+	runDirectCases(t, h, cases)
+}
+
+func TestEndpointSliceConfigDirectEvents(t *testing.T) {
+	runDirectCases(t, directHarness[*discovery.EndpointSlice]{
+		handler: func(ctx context.Context, t *testing.T, rec *recorder[*discovery.EndpointSlice]) cache.ResourceEventHandler {
+			cfg, err := NewEndpointSliceConfig(ctx, idle().Discovery().V1().EndpointSlices(), 0)
+			if err != nil {
+				t.Fatalf("NewEndpointSliceConfig: %v", err)
+			}
+			cfg.RegisterEventHandler(sliceRecorder{rec})
+			return cfg.eventHandler()
+		},
+		obj:   newSlice("ns", "x", nil, "10.0.0.1"),
+		wrong: newService("ns", "x"),
+	}, directCases)
+}
+
+func TestNodeConfigDirectEvents(t *testing.T) {
+	node := newNode("x", nil)
+	// Nodes are cluster-scoped; the shared cases expect the key "ns/x", so
+	// give the test node a namespace (the config does not look at it).
+	node.Namespace = "ns"
+	runDirectCases(t, directHarness[*v1.Node]{
+		handler: func(ctx context.Context, t *testing.T, rec *recorder[*v1.Node]) cache.ResourceEventHandler {
+			cfg, err := NewNodeConfig(ctx, idle().Core().V1().Nodes(), 0)
+			if err != nil {
+				t.Fatalf("NewNodeConfig: %v", err)
+			}
+			cfg.RegisterEventHandler(nodeRecorder{rec})
+			return cfg.eventHandler()
+		},
+		obj:   node,
+		wrong: newSlice("ns", "x", nil),
+	}, directCases)
+}
+
+// TestRunWithoutSync checks that Run gives up, without telling handlers the
+// cache synced, when its context ends before the informer ever ran.
+func TestRunWithoutSync(t *testing.T) {
+	cases := []struct {
+		name string
+		run  func(ctx context.Context, t *testing.T) func() int
+	}{
+		{
+			name: "services",
+			run: func(ctx context.Context, t *testing.T) func() int {
+				rec := newRecorder[*v1.Service]()
+				cfg, err := NewServiceConfig(ctx, idle().Core().V1().Services(), 0)
+				if err != nil {
+					t.Fatalf("NewServiceConfig: %v", err)
+				}
+				cfg.RegisterEventHandler(serviceRecorder{rec})
+				cfg.Run(ctx)
+				return func() int { return rec.state().syncedCalls }
+			},
+		},
+		{
+			name: "endpoint slices",
+			run: func(ctx context.Context, t *testing.T) func() int {
+				rec := newRecorder[*discovery.EndpointSlice]()
+				cfg, err := NewEndpointSliceConfig(ctx, idle().Discovery().V1().EndpointSlices(), 0)
+				if err != nil {
+					t.Fatalf("NewEndpointSliceConfig: %v", err)
+				}
+				cfg.RegisterEventHandler(sliceRecorder{rec})
+				cfg.Run(ctx)
+				return func() int { return rec.state().syncedCalls }
+			},
+		},
+		{
+			name: "nodes",
+			run: func(ctx context.Context, t *testing.T) func() int {
+				rec := newRecorder[*v1.Node]()
+				cfg, err := NewNodeConfig(ctx, idle().Core().V1().Nodes(), 0)
+				if err != nil {
+					t.Fatalf("NewNodeConfig: %v", err)
+				}
+				cfg.RegisterEventHandler(nodeRecorder{rec})
+				cfg.Run(ctx)
+				return func() int { return rec.state().syncedCalls }
+			},
+		},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			ctx, cancel := context.WithCancel(ctx)
+			cancel()
+			if got := tc.run(ctx, t)(); got != 0 {
+				t.Errorf("synced called %d times, want 0", got)
+			}
+		})
+	}
+}

@@ -1,0 +1,947 @@
+package iptables
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+)
+
+// Fake is an in-memory iptables: a state store that parses and executes
+// restore input and the other Interface operations with the kernel's rules
+// (atomic tables, --noflush semantics, jumps only to existing chains, no
+// deleting referenced chains, target/hook restrictions, no jump loops). Rules
+// are validated with ParseRule, so output kproxy could not load into the
+// kernel fails here too. Trace walks the resulting ruleset.
+//
+// Rules are stored exactly as given (iptables-save would print a normalized
+// form; the fake does not), and EnsureRule and -D compare arguments exactly.
+type Fake struct {
+	// RandomFully is what HasRandomFully reports; when false, MASQUERADE
+	// --random-fully is rejected as an old iptables would. NewFake sets it
+	// to true. Set it before the Fake is shared.
+	RandomFully bool
+
+	protocol Protocol
+
+	mu           sync.Mutex
+	tables       map[Table]*fakeTable
+	restoreCount int
+	lastRestore  []byte
+}
+
+var _ Interface = (*Fake)(nil)
+
+type fakeTable struct {
+	name   Table
+	chains map[Chain]*fakeChain
+}
+
+type fakeChain struct {
+	name    Chain
+	builtin bool
+	policy  string // "ACCEPT" or "DROP" for builtin chains
+	rules   []*fakeRule
+}
+
+type fakeRule struct {
+	args []string
+	rule *Rule
+}
+
+// builtinChains lists each table's built-in chains in iptables-save order.
+var builtinChains = map[Table][]Chain{
+	TableNAT:    {ChainPrerouting, ChainInput, ChainOutput, ChainPostrouting},
+	TableFilter: {ChainInput, ChainForward, ChainOutput},
+	TableMangle: {ChainPrerouting, ChainInput, ChainForward, ChainOutput, ChainPostrouting},
+}
+
+// maxChainDepth is the deepest a chain may sit below a built-in chain, in
+// jumps: nf_tables refuses rulesets nesting deeper (iptables-legacy allows
+// more; kproxy must work with both).
+const maxChainDepth = 15
+
+// NewFake returns an empty Fake for protocol: every table with its built-in
+// chains, policy ACCEPT.
+func NewFake(protocol Protocol) *Fake {
+	f := &Fake{RandomFully: true, protocol: protocol, tables: map[Table]*fakeTable{}}
+	for table, chains := range builtinChains {
+		t := &fakeTable{name: table, chains: map[Chain]*fakeChain{}}
+		for _, c := range chains {
+			t.chains[c] = &fakeChain{name: c, builtin: true, policy: "ACCEPT"}
+		}
+		f.tables[table] = t
+	}
+	return f
+}
+
+func (t *fakeTable) clone() *fakeTable {
+	n := &fakeTable{name: t.name, chains: make(map[Chain]*fakeChain, len(t.chains))}
+	for name, c := range t.chains {
+		cc := *c
+		cc.rules = slices.Clone(c.rules)
+		n.chains[name] = &cc
+	}
+	return n
+}
+
+// chainNames lists built-in chains first (iptables-save order), then user
+// chains sorted by name.
+func (t *fakeTable) chainNames() []Chain {
+	names := slices.Clone(builtinChains[t.name])
+	var user []Chain
+	for name, c := range t.chains {
+		if !c.builtin {
+			user = append(user, name)
+		}
+	}
+	slices.Sort(user)
+	return append(names, user...)
+}
+
+// references counts the rules jumping to each chain.
+func (t *fakeTable) references() map[Chain]int {
+	refs := map[Chain]int{}
+	for _, c := range t.chains {
+		for _, r := range c.rules {
+			if r.rule.Target != nil && r.rule.Target.Chain {
+				refs[Chain(r.rule.Target.Name)]++
+			}
+		}
+	}
+	return refs
+}
+
+func (f *Fake) table(table Table) (*fakeTable, error) {
+	t, ok := f.tables[table]
+	if !ok {
+		return nil, fmt.Errorf("unknown table %q", table)
+	}
+	return t, nil
+}
+
+// Protocol implements Interface.
+func (f *Fake) Protocol() Protocol { return f.protocol }
+
+// HasRandomFully implements Interface.
+func (f *Fake) HasRandomFully() bool { return f.RandomFully }
+
+// EnsureChain implements Interface.
+func (f *Fake) EnsureChain(ctx context.Context, table Table, chain Chain) (bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.table(table)
+	if err != nil {
+		return false, err
+	}
+	if _, ok := t.chains[chain]; ok {
+		return true, nil
+	}
+	if err := validChainName(table, chain); err != nil {
+		return false, err
+	}
+	t.chains[chain] = &fakeChain{name: chain}
+	return false, nil
+}
+
+// ChainExists implements Interface.
+func (f *Fake) ChainExists(ctx context.Context, table Table, chain Chain) (bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.table(table)
+	if err != nil {
+		return false, err
+	}
+	_, ok := t.chains[chain]
+	return ok, nil
+}
+
+// ListChains implements Interface: built-in chains first, then user chains
+// sorted by name.
+func (f *Fake) ListChains(ctx context.Context, table Table) ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.table(table)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, c := range t.chainNames() {
+		out = append(out, string(c))
+	}
+	return out, nil
+}
+
+// EnsureRule implements Interface. The rule is validated as Restore would.
+func (f *Fake) EnsureRule(ctx context.Context, position RulePosition, table Table, chain Chain, args ...string) (bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.table(table)
+	if err != nil {
+		return false, err
+	}
+	c, ok := t.chains[chain]
+	if !ok {
+		return false, fmt.Errorf("chain %s does not exist in table %s", chain, table)
+	}
+	for _, r := range c.rules {
+		if slices.Equal(r.args, args) {
+			return true, nil
+		}
+	}
+	at := -1
+	switch position {
+	case Prepend:
+		at = 0
+	case Append:
+	default:
+		return false, fmt.Errorf("unknown rule position %q", position)
+	}
+	tx := f.begin(t)
+	if err := tx.insertRule(chain, at, args, 0); err != nil {
+		return false, fmt.Errorf("adding rule to %s/%s: %w", table, chain, err)
+	}
+	if err := tx.commit(); err != nil {
+		return false, fmt.Errorf("adding rule to %s/%s: %w", table, chain, err)
+	}
+	return false, nil
+}
+
+// DeleteRule implements Interface.
+func (f *Fake) DeleteRule(ctx context.Context, table Table, chain Chain, args ...string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.table(table)
+	if err != nil {
+		return err
+	}
+	c, ok := t.chains[chain]
+	if !ok {
+		return nil
+	}
+	if i := slices.IndexFunc(c.rules, func(r *fakeRule) bool { return slices.Equal(r.args, args) }); i >= 0 {
+		c.rules = slices.Delete(c.rules, i, i+1)
+	}
+	return nil
+}
+
+// FlushChain implements Interface.
+func (f *Fake) FlushChain(ctx context.Context, table Table, chain Chain) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.table(table)
+	if err != nil {
+		return err
+	}
+	if c, ok := t.chains[chain]; ok {
+		c.rules = nil
+	}
+	return nil
+}
+
+// DeleteChain implements Interface: like iptables -X it refuses built-in,
+// non-empty and referenced chains.
+func (f *Fake) DeleteChain(ctx context.Context, table Table, chain Chain) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.table(table)
+	if err != nil {
+		return err
+	}
+	if _, ok := t.chains[chain]; !ok {
+		return nil
+	}
+	tx := f.begin(t)
+	if err := tx.deleteChain(chain, 0); err != nil {
+		return fmt.Errorf("deleting chain %s/%s: %w", table, chain, err)
+	}
+	if err := tx.commit(); err != nil {
+		return fmt.Errorf("deleting chain %s/%s: %w", table, chain, err)
+	}
+	return nil
+}
+
+// SaveInto implements Interface. The output restores into an empty Fake
+// (or kernel) to the same state.
+func (f *Fake) SaveInto(ctx context.Context, table Table) ([]byte, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.table(table)
+	if err != nil {
+		return nil, err
+	}
+	var b bytes.Buffer
+	fmt.Fprintf(&b, "# Generated by kproxy fake iptables (%s)\n*%s\n", f.protocol, table)
+	names := t.chainNames()
+	for _, name := range names {
+		c := t.chains[name]
+		policy := "-"
+		if c.builtin {
+			policy = c.policy
+		}
+		fmt.Fprintf(&b, ":%s %s [0:0]\n", name, policy)
+	}
+	for _, name := range names {
+		for _, r := range t.chains[name].rules {
+			fmt.Fprintf(&b, "-A %s", name)
+			if len(r.args) > 0 {
+				b.WriteByte(' ')
+				b.WriteString(JoinArgs(r.args))
+			}
+			b.WriteByte('\n')
+		}
+	}
+	b.WriteString("COMMIT\n# Completed\n")
+	return b.Bytes(), nil
+}
+
+// Chains lists table's chains (built-in first, then user chains sorted); nil
+// for an unknown table.
+func (f *Fake) Chains(table Table) []string {
+	chains, _ := f.ListChains(context.Background(), table)
+	return chains
+}
+
+// Rules lists the rules of table/chain, each as its arguments joined as in
+// iptables-save (without "-A chain"); nil when the chain does not exist.
+func (f *Fake) Rules(table Table, chain Chain) []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, ok := f.tables[table]
+	if !ok {
+		return nil
+	}
+	c, ok := t.chains[chain]
+	if !ok {
+		return nil
+	}
+	out := make([]string, 0, len(c.rules))
+	for _, r := range c.rules {
+		out = append(out, JoinArgs(r.args))
+	}
+	return out
+}
+
+// Policy reports a built-in chain's policy ("" when not a built-in chain).
+func (f *Fake) Policy(table Table, chain Chain) string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if t, ok := f.tables[table]; ok {
+		if c, ok := t.chains[chain]; ok && c.builtin {
+			return c.policy
+		}
+	}
+	return ""
+}
+
+// RestoreCount is how many times Restore was called (failed calls included).
+func (f *Fake) RestoreCount() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.restoreCount
+}
+
+// LastRestore is the data of the last Restore call (failed calls included).
+func (f *Fake) LastRestore() []byte {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return bytes.Clone(f.lastRestore)
+}
+
+// RestoreError is Restore's error: the line (1-based) and its text.
+type RestoreError struct {
+	Line int
+	Text string
+	Err  error
+}
+
+func (e *RestoreError) Error() string {
+	return fmt.Sprintf("iptables-restore: line %d %q: %v", e.Line, e.Text, e.Err)
+}
+
+func (e *RestoreError) Unwrap() error { return e.Err }
+
+// Restore implements Interface with iptables-restore --noflush semantics.
+// Each "*table ... COMMIT" section is applied atomically when its COMMIT is
+// reached: on error nothing of that section changes, while sections
+// committed earlier in data stay applied (as with the kernel).
+func (f *Fake) Restore(ctx context.Context, data []byte) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.restoreCount++
+	f.lastRestore = bytes.Clone(data)
+
+	lines := strings.Split(string(data), "\n")
+	var (
+		tx        *txn
+		startLine int
+	)
+	lineErr := func(n int, err error) error {
+		return &RestoreError{Line: n, Text: strings.TrimRight(lines[n-1], "\r"), Err: err}
+	}
+	for i, raw := range lines {
+		n := i + 1
+		line := strings.Trim(raw, " \t\r\v\f")
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		switch {
+		case line[0] == '*':
+			if tx != nil {
+				return lineErr(n, fmt.Errorf("table %s (line %d) has no COMMIT", tx.t.name, startLine))
+			}
+			t, err := f.table(Table(line[1:]))
+			if err != nil {
+				return lineErr(n, err)
+			}
+			tx, startLine = f.begin(t), n
+		case line == "COMMIT":
+			if tx == nil {
+				return lineErr(n, fmt.Errorf("COMMIT outside a table"))
+			}
+			if err := tx.commit(); err != nil {
+				var le *RestoreError
+				if errors.As(err, &le) {
+					le.Text = strings.TrimRight(lines[le.Line-1], "\r")
+					return le
+				}
+				return lineErr(n, err)
+			}
+			tx = nil
+		case tx == nil:
+			return lineErr(n, fmt.Errorf("line outside a table section"))
+		case line[0] == ':':
+			if err := tx.declare(line[1:]); err != nil {
+				return lineErr(n, err)
+			}
+		default:
+			if err := tx.command(line, n); err != nil {
+				return lineErr(n, err)
+			}
+		}
+	}
+	if tx != nil {
+		return lineErr(len(lines), fmt.Errorf("table %s (line %d) has no COMMIT", tx.t.name, startLine))
+	}
+	return nil
+}
+
+// txn is one table's pending changes: a working copy swapped in by commit.
+type txn struct {
+	f    *Fake
+	orig *fakeTable
+	t    *fakeTable
+	// lines records where rules added in this transaction came from.
+	lines map[*fakeRule]int
+	// deleted records the line of each -X.
+	deleted map[Chain]int
+}
+
+func (f *Fake) begin(t *fakeTable) *txn {
+	return &txn{f: f, orig: t, t: t.clone(), lines: map[*fakeRule]int{}, deleted: map[Chain]int{}}
+}
+
+// declare handles ":CHAIN POLICY [packets:bytes]".
+func (tx *txn) declare(decl string) error {
+	fields := strings.Fields(decl)
+	if len(fields) < 2 || len(fields) > 3 {
+		return fmt.Errorf("bad chain declaration")
+	}
+	if len(fields) == 3 && !validCounters(fields[2]) {
+		return fmt.Errorf("bad counters %q", fields[2])
+	}
+	name, policy := Chain(fields[0]), fields[1]
+	if c, ok := tx.t.chains[name]; ok && c.builtin {
+		switch policy {
+		case "-":
+		case "ACCEPT", "DROP":
+			c.policy = policy
+		default:
+			return fmt.Errorf("bad policy %q for built-in chain %s", policy, name)
+		}
+		return nil
+	}
+	if policy != "-" {
+		return fmt.Errorf("cannot set policy %q on user chain %s", policy, name)
+	}
+	if c, ok := tx.t.chains[name]; ok {
+		// --noflush: declaring an existing user chain flushes it.
+		c.rules = nil
+		return nil
+	}
+	if err := validChainName(tx.t.name, name); err != nil {
+		return err
+	}
+	tx.t.chains[name] = &fakeChain{name: name}
+	delete(tx.deleted, name)
+	return nil
+}
+
+func validCounters(s string) bool {
+	inner, ok := strings.CutPrefix(s, "[")
+	if !ok {
+		return false
+	}
+	inner, ok = strings.CutSuffix(inner, "]")
+	if !ok {
+		return false
+	}
+	p, b, ok := strings.Cut(inner, ":")
+	_, err1 := strconv.ParseUint(p, 10, 64)
+	_, err2 := strconv.ParseUint(b, 10, 64)
+	return ok && err1 == nil && err2 == nil
+}
+
+// command handles one -A/-I/-D/-F/-X/-N/-P line.
+func (tx *txn) command(line string, n int) error {
+	args, err := SplitArgs(line)
+	if err != nil {
+		return err
+	}
+	if len(args) > 0 && validCounters(args[0]) {
+		args = args[1:]
+	}
+	if len(args) == 0 {
+		return fmt.Errorf("empty command")
+	}
+	cmd, rest := args[0], args[1:]
+	chainArg := func() (Chain, error) {
+		if len(rest) == 0 {
+			return "", fmt.Errorf("%s needs a chain", cmd)
+		}
+		return Chain(rest[0]), nil
+	}
+	switch cmd {
+	case "-A", "--append", "-I", "--insert":
+		chain, err := chainArg()
+		if err != nil {
+			return err
+		}
+		ruleArgs, at := rest[1:], -1
+		if cmd == "-I" || cmd == "--insert" {
+			at = 0
+			if len(ruleArgs) > 0 && ruleArgs[0] != "" && strings.Trim(ruleArgs[0], "0123456789") == "" {
+				pos, err := strconv.Atoi(ruleArgs[0])
+				if err != nil || pos < 1 {
+					return fmt.Errorf("invalid rule number %q", ruleArgs[0])
+				}
+				at, ruleArgs = pos-1, ruleArgs[1:]
+			}
+		}
+		return tx.insertRule(chain, at, ruleArgs, n)
+	case "-D", "--delete":
+		chain, err := chainArg()
+		if err != nil {
+			return err
+		}
+		return tx.deleteRule(chain, rest[1:])
+	case "-F", "--flush", "-X", "--delete-chain":
+		if len(rest) > 1 {
+			return fmt.Errorf("%s: unexpected argument %q", cmd, rest[1])
+		}
+		var chains []Chain
+		if len(rest) == 1 {
+			chains = []Chain{Chain(rest[0])}
+		} else {
+			for _, c := range tx.t.chainNames() {
+				if cmd == "-F" || cmd == "--flush" || !tx.t.chains[c].builtin {
+					chains = append(chains, c)
+				}
+			}
+		}
+		for _, c := range chains {
+			var err error
+			if cmd == "-F" || cmd == "--flush" {
+				err = tx.flushChain(c)
+			} else {
+				err = tx.deleteChain(c, n)
+			}
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	case "-N", "--new-chain", "--new":
+		chain, err := chainArg()
+		if err != nil {
+			return err
+		}
+		if len(rest) > 1 {
+			return fmt.Errorf("%s: unexpected argument %q", cmd, rest[1])
+		}
+		if _, ok := tx.t.chains[chain]; ok {
+			return fmt.Errorf("chain %s already exists", chain)
+		}
+		if err := validChainName(tx.t.name, chain); err != nil {
+			return err
+		}
+		tx.t.chains[chain] = &fakeChain{name: chain}
+		delete(tx.deleted, chain)
+		return nil
+	case "-P", "--policy":
+		if len(rest) != 2 {
+			return fmt.Errorf("%s needs a chain and a policy", cmd)
+		}
+		c, ok := tx.t.chains[Chain(rest[0])]
+		if !ok || !c.builtin {
+			return fmt.Errorf("%s: %s is not a built-in chain", cmd, rest[0])
+		}
+		if rest[1] != "ACCEPT" && rest[1] != "DROP" {
+			return fmt.Errorf("bad policy %q", rest[1])
+		}
+		c.policy = rest[1]
+		return nil
+	case "-t", "--table":
+		return fmt.Errorf("the -t option cannot be used in iptables-restore input")
+	}
+	return fmt.Errorf("unsupported command %q", cmd)
+}
+
+// insertRule parses args and puts the rule at index at (-1: append).
+func (tx *txn) insertRule(chain Chain, at int, args []string, line int) error {
+	c, ok := tx.t.chains[chain]
+	if !ok {
+		return fmt.Errorf("chain %s does not exist", chain)
+	}
+	r, err := ParseRule(args)
+	if err != nil {
+		return fmt.Errorf("bad rule: %w", err)
+	}
+	if err := tx.checkRule(c, r); err != nil {
+		return err
+	}
+	fr := &fakeRule{args: slices.Clone(args), rule: r}
+	if at < 0 {
+		at = len(c.rules)
+	}
+	if at > len(c.rules) {
+		return fmt.Errorf("index of insertion too big (chain %s has %d rules)", chain, len(c.rules))
+	}
+	c.rules = slices.Insert(c.rules, at, fr)
+	if line > 0 {
+		tx.lines[fr] = line
+	}
+	return nil
+}
+
+// checkRule applies the checks iptables and the kernel make when a rule is
+// added to c.
+func (tx *txn) checkRule(c *fakeChain, r *Rule) error {
+	table := tx.t.name
+	if c.builtin {
+		if r.InInterface != nil && (c.name == ChainOutput || c.name == ChainPostrouting) {
+			return fmt.Errorf("can't use -i with %s", c.name)
+		}
+		if r.OutInterface != nil && (c.name == ChainPrerouting || c.name == ChainInput) {
+			return fmt.Errorf("can't use -o with %s", c.name)
+		}
+	}
+	if err := checkRuleFamily(r, tx.f.protocol); err != nil {
+		return err
+	}
+	t := r.Target
+	if t == nil {
+		return nil
+	}
+	if t.Chain {
+		target, ok := tx.t.chains[Chain(t.Name)]
+		if !ok {
+			return fmt.Errorf("chain %s does not exist (target of %s)", t.Name, jumpFlag(t))
+		}
+		if target.builtin {
+			return fmt.Errorf("cannot jump to built-in chain %s", t.Name)
+		}
+		return nil
+	}
+	switch t.Name {
+	case "DNAT", "SNAT", "MASQUERADE", "REDIRECT":
+		if table != TableNAT {
+			return fmt.Errorf("target %s is only valid in the nat table", t.Name)
+		}
+	case "DROP":
+		if table == TableNAT {
+			return fmt.Errorf("the nat table is not intended for filtering, DROP is not allowed")
+		}
+	case "REJECT":
+		if table == TableNAT {
+			return fmt.Errorf("target REJECT is not valid in the nat table")
+		}
+	}
+	if t.Masquerade != nil && t.Masquerade.RandomFully && !tx.f.RandomFully {
+		return fmt.Errorf("--random-fully is not supported by this iptables")
+	}
+	return nil
+}
+
+func jumpFlag(t *Target) string {
+	if t.Goto {
+		return "-g"
+	}
+	return "-j"
+}
+
+// checkRuleFamily rejects addresses and options of the other IP family.
+func checkRuleFamily(r *Rule, protocol Protocol) error {
+	v6 := protocol == ProtocolIPv6
+	check := func(what string, ok bool) error {
+		if !ok {
+			return fmt.Errorf("%s is not an %s value", what, protocol)
+		}
+		return nil
+	}
+	for _, m := range []*AddrMatch{r.Source, r.Destination} {
+		if m != nil {
+			if err := check(m.Addr.String(), m.Addr.Is6() == v6); err != nil {
+				return err
+			}
+		}
+	}
+	for _, m := range r.Matches {
+		if rm, ok := m.(*RecentMatch); ok && rm.Mask.IsValid() {
+			if err := check("recent --mask "+rm.Mask.String(), rm.Mask.Is6() == v6); err != nil {
+				return err
+			}
+		}
+	}
+	if t := r.Target; t != nil {
+		if t.NAT != nil && t.NAT.Addr.IsValid() {
+			if err := check(t.NAT.Addr.String(), t.NAT.Addr.Is6() == v6); err != nil {
+				return err
+			}
+		}
+		if t.Reject != nil {
+			fam := rejectTypes[t.Reject.With]
+			if err := check("--reject-with "+t.Reject.With, (v6 && fam.v6) || (!v6 && fam.v4)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func (tx *txn) deleteRule(chain Chain, args []string) error {
+	c, ok := tx.t.chains[chain]
+	if !ok {
+		return fmt.Errorf("chain %s does not exist", chain)
+	}
+	if len(args) == 1 && args[0] != "" && strings.Trim(args[0], "0123456789") == "" {
+		pos, err := strconv.Atoi(args[0])
+		if err != nil || pos < 1 || pos > len(c.rules) {
+			return fmt.Errorf("index of deletion too big (chain %s has %d rules)", chain, len(c.rules))
+		}
+		c.rules = slices.Delete(c.rules, pos-1, pos)
+		return nil
+	}
+	i := slices.IndexFunc(c.rules, func(r *fakeRule) bool { return slices.Equal(r.args, args) })
+	if i < 0 {
+		return fmt.Errorf("bad rule (does a matching rule exist in chain %s?)", chain)
+	}
+	c.rules = slices.Delete(c.rules, i, i+1)
+	return nil
+}
+
+func (tx *txn) flushChain(chain Chain) error {
+	c, ok := tx.t.chains[chain]
+	if !ok {
+		return fmt.Errorf("chain %s does not exist", chain)
+	}
+	c.rules = nil
+	return nil
+}
+
+// deleteChain removes an empty user chain; references are checked at commit.
+func (tx *txn) deleteChain(chain Chain, line int) error {
+	c, ok := tx.t.chains[chain]
+	switch {
+	case !ok:
+		return fmt.Errorf("chain %s does not exist", chain)
+	case c.builtin:
+		return fmt.Errorf("cannot delete built-in chain %s", chain)
+	case len(c.rules) > 0:
+		return fmt.Errorf("chain %s is not empty (%d rules)", chain, len(c.rules))
+	}
+	delete(tx.t.chains, chain)
+	tx.deleted[chain] = line
+	return nil
+}
+
+// commit validates the working copy and swaps it in.
+func (tx *txn) commit() error {
+	if err := tx.validate(); err != nil {
+		return err
+	}
+	tx.f.tables[tx.t.name] = tx.t
+	return nil
+}
+
+// ruleError attributes err to the line a rule came from when it was added
+// in this transaction.
+func (tx *txn) ruleError(r *fakeRule, err error) error {
+	if line, ok := tx.lines[r]; ok {
+		return &RestoreError{Line: line, Err: err}
+	}
+	return err
+}
+
+// hook bits, one per built-in chain.
+type hookSet uint8
+
+var hookBits = map[Chain]hookSet{
+	ChainPrerouting: 1 << 0, ChainInput: 1 << 1, ChainForward: 1 << 2, ChainOutput: 1 << 3, ChainPostrouting: 1 << 4,
+}
+
+// targetHooks are the hooks where extension targets may be used.
+var targetHooks = map[string]hookSet{
+	"DNAT":       hookBits[ChainPrerouting] | hookBits[ChainOutput],
+	"REDIRECT":   hookBits[ChainPrerouting] | hookBits[ChainOutput],
+	"SNAT":       hookBits[ChainPostrouting] | hookBits[ChainInput],
+	"MASQUERADE": hookBits[ChainPostrouting],
+	"REJECT":     hookBits[ChainInput] | hookBits[ChainForward] | hookBits[ChainOutput],
+}
+
+func hookNames(h hookSet) string {
+	var names []string
+	for _, c := range []Chain{ChainPrerouting, ChainInput, ChainForward, ChainOutput, ChainPostrouting} {
+		if h&hookBits[c] != 0 {
+			names = append(names, string(c))
+		}
+	}
+	return strings.Join(names, ",")
+}
+
+// validate checks what the kernel checks when a table is committed: every
+// jump target exists, chains reachable from built-in chains form no loop and
+// nest at most maxChainDepth deep, and targets are used only from the hooks
+// that allow them.
+func (tx *txn) validate() error {
+	t := tx.t
+	names := t.chainNames()
+	for _, name := range names {
+		for _, r := range t.chains[name].rules {
+			tg := r.rule.Target
+			if tg == nil || !tg.Chain {
+				continue
+			}
+			if _, ok := t.chains[Chain(tg.Name)]; ok {
+				continue
+			}
+			if line, ok := tx.deleted[Chain(tg.Name)]; ok && line > 0 {
+				return &RestoreError{Line: line, Err: fmt.Errorf("chain %s is still referenced by a rule in chain %s", tg.Name, name)}
+			}
+			if _, ok := tx.deleted[Chain(tg.Name)]; ok {
+				return fmt.Errorf("chain %s is still referenced by a rule in chain %s", tg.Name, name)
+			}
+			return tx.ruleError(r, fmt.Errorf("chain %s (target of %s in chain %s) does not exist", tg.Name, jumpFlag(tg), name))
+		}
+	}
+
+	// Depth-first walk from each built-in chain: loops, nesting depth and
+	// the set of hooks reaching each chain.
+	const (
+		white = iota
+		grey
+		black
+	)
+	color := map[Chain]int{}
+	height := map[Chain]int{} // deepest jump chain below a chain
+	var walk func(name Chain) error
+	walk = func(name Chain) error {
+		color[name] = grey
+		h := 0
+		for _, r := range t.chains[name].rules {
+			tg := r.rule.Target
+			if tg == nil || !tg.Chain {
+				continue
+			}
+			next := Chain(tg.Name)
+			switch color[next] {
+			case grey:
+				return tx.ruleError(r, fmt.Errorf("jump from %s to %s closes a loop", name, next))
+			case white:
+				if err := walk(next); err != nil {
+					return err
+				}
+			}
+			h = max(h, height[next]+1)
+		}
+		color[name] = black
+		height[name] = h
+		return nil
+	}
+	hooks := map[Chain]hookSet{}
+	for _, b := range builtinChains[t.name] {
+		if err := walk(b); err != nil {
+			return err
+		}
+		if height[b] > maxChainDepth {
+			return fmt.Errorf("chains below %s nest %d deep, more than the kernel's %d", b, height[b], maxChainDepth)
+		}
+		// Mark every chain reachable from b (acyclic now) with b's hook.
+		stack := []Chain{b}
+		for len(stack) > 0 {
+			c := stack[len(stack)-1]
+			stack = stack[:len(stack)-1]
+			if hooks[c]&hookBits[b] != 0 {
+				continue
+			}
+			hooks[c] |= hookBits[b]
+			for _, r := range t.chains[c].rules {
+				if tg := r.rule.Target; tg != nil && tg.Chain {
+					stack = append(stack, Chain(tg.Name))
+				}
+			}
+		}
+	}
+	for _, name := range names {
+		h := hooks[name]
+		if h == 0 {
+			continue
+		}
+		for _, r := range t.chains[name].rules {
+			tg := r.rule.Target
+			if tg == nil {
+				continue
+			}
+			if allowed, ok := targetHooks[tg.Name]; ok && h&^allowed != 0 {
+				return tx.ruleError(r, fmt.Errorf("target %s in chain %s is reachable from %s but only valid from %s",
+					tg.Name, name, hookNames(h&^allowed), hookNames(allowed)))
+			}
+		}
+	}
+	return nil
+}
+
+var builtinChainNames = map[Chain]bool{
+	ChainPrerouting: true, ChainInput: true, ChainForward: true, ChainOutput: true, ChainPostrouting: true,
+}
+
+// validChainName applies iptables' chain name rules, plus: no names that
+// need quoting, and no built-in chain or target names.
+func validChainName(table Table, name Chain) error {
+	s := string(name)
+	switch {
+	case s == "":
+		return fmt.Errorf("empty chain name")
+	case len(s) > MaxChainNameLength:
+		return fmt.Errorf("chain name %q too long (max %d)", s, MaxChainNameLength)
+	case s[0] == '-' || s[0] == '!':
+		return fmt.Errorf("chain name %q may not start with %q", s, s[0])
+	case IsBuiltinTarget(s):
+		return fmt.Errorf("chain name %q clashes with a target name", s)
+	case builtinChainNames[name]:
+		return fmt.Errorf("chain name %q is a built-in chain name, not valid as a user chain in table %s", s, table)
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c <= ' ' || c >= 0x7f || c == '"' || c == '\'' || c == '\\' {
+			return fmt.Errorf("chain name %q contains an invalid character", s)
+		}
+	}
+	return nil
+}

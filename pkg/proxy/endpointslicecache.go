@@ -1,0 +1,366 @@
+package proxy
+
+import (
+	"cmp"
+	"fmt"
+	"maps"
+	"net/netip"
+	"slices"
+	"sync"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/klog/v2"
+)
+
+// EndpointSliceCacheOptions configures an EndpointSliceCache.
+type EndpointSliceCacheOptions struct {
+	// Family selects the slices used: IPv4 or IPv6 address type.
+	Family v1.IPFamily
+	// NodeName is the node kproxy runs on; endpoints on it are local.
+	NodeName string
+	// Logger receives the cache's messages; klog.Background() when unset.
+	Logger klog.Logger
+}
+
+// EndpointSliceCache holds, per service, the EndpointSlices of one IP family
+// as last applied and as pending, and merges a service's slices into its
+// per-port endpoint lists. It is safe for concurrent use.
+type EndpointSliceCache struct {
+	family      v1.IPFamily
+	addressType discovery.AddressType
+	nodeName    string
+	logger      klog.Logger
+
+	mu       sync.Mutex
+	services map[types.NamespacedName]*sliceTracker
+}
+
+// sliceTracker holds one service's slices by slice name: applied is what the
+// last Apply saw, pending the updates since.
+type sliceTracker struct {
+	applied map[string]*sliceInfo
+	pending map[string]*sliceInfo
+}
+
+// sliceInfo is the part of an EndpointSlice that matters to the dataplane.
+type sliceInfo struct {
+	ports     []slicePort
+	endpoints []*Endpoint // Port unset; one per usable endpoint, slice order
+	remove    bool
+}
+
+type slicePort struct {
+	name     string
+	protocol v1.Protocol
+	port     int
+}
+
+// endpointsChange is one service's endpoints before and after its pending
+// slice updates.
+type endpointsChange struct {
+	previous EndpointsMap
+	current  EndpointsMap
+}
+
+// NewEndpointSliceCache returns an empty cache.
+func NewEndpointSliceCache(opts EndpointSliceCacheOptions) *EndpointSliceCache {
+	logger := opts.Logger
+	if logger.GetSink() == nil {
+		logger = klog.Background()
+	}
+	addressType := discovery.AddressTypeIPv4
+	if opts.Family == v1.IPv6Protocol {
+		addressType = discovery.AddressTypeIPv6
+	}
+	return &EndpointSliceCache{
+		family:      opts.Family,
+		addressType: addressType,
+		nodeName:    opts.NodeName,
+		logger:      logger.WithValues("ipFamily", opts.Family),
+		services:    make(map[types.NamespacedName]*sliceTracker),
+	}
+}
+
+// Handles reports whether the cache takes slices of this address type.
+func (c *EndpointSliceCache) Handles(slice *discovery.EndpointSlice) bool {
+	return slice != nil && slice.AddressType == c.addressType
+}
+
+// endpointSliceServiceName returns the service a slice belongs to.
+func endpointSliceServiceName(slice *discovery.EndpointSlice) (types.NamespacedName, error) {
+	name := slice.Labels[discovery.LabelServiceName]
+	if name == "" {
+		return types.NamespacedName{}, fmt.Errorf("EndpointSlice %s/%s has no %s label", slice.Namespace, slice.Name, discovery.LabelServiceName)
+	}
+	if slice.Namespace == "" || slice.Name == "" {
+		return types.NamespacedName{}, fmt.Errorf("EndpointSlice %q of service %q has no namespace or name", slice.Name, name)
+	}
+	return types.NamespacedName{Namespace: slice.Namespace, Name: name}, nil
+}
+
+// updatePending records an update (or, with remove, a deletion) of slice. It
+// returns the slice's service, whether the pending state of that service
+// changed, and whether the service now has pending changes. Updates that
+// restore the applied state drop the pending entry, so a slice added and
+// removed between two Applies leaves nothing behind.
+func (c *EndpointSliceCache) updatePending(slice *discovery.EndpointSlice, remove bool) (nn types.NamespacedName, changed, pending bool, err error) {
+	nn, err = endpointSliceServiceName(slice)
+	if err != nil {
+		return nn, false, false, err
+	}
+	info := c.newSliceInfo(slice, remove)
+
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	tracker, ok := c.services[nn]
+	if !ok {
+		tracker = &sliceTracker{applied: map[string]*sliceInfo{}, pending: map[string]*sliceInfo{}}
+		c.services[nn] = tracker
+	}
+	applied, isApplied := tracker.applied[slice.Name]
+	old, isPending := tracker.pending[slice.Name]
+
+	switch {
+	case isPending && old.equal(info):
+		changed = false
+	case (!isApplied && remove) || (isApplied && applied.equal(info)):
+		// Back to the applied state.
+		changed = isPending
+		delete(tracker.pending, slice.Name)
+	default:
+		changed = true
+		tracker.pending[slice.Name] = info
+	}
+	pending = len(tracker.pending) > 0
+	if len(tracker.applied) == 0 && !pending {
+		delete(c.services, nn)
+	}
+	return nn, changed, pending, nil
+}
+
+// pendingServices names the services with pending slice updates.
+func (c *EndpointSliceCache) pendingServices() sets.Set[string] {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := sets.New[string]()
+	for nn, tracker := range c.services {
+		if len(tracker.pending) > 0 {
+			out.Insert(nn.String())
+		}
+	}
+	return out
+}
+
+// checkoutChanges moves every pending update to applied and returns, per
+// service, its endpoints before and after.
+func (c *EndpointSliceCache) checkoutChanges() map[types.NamespacedName]*endpointsChange {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	changes := make(map[types.NamespacedName]*endpointsChange)
+	for nn, tracker := range c.services {
+		if len(tracker.pending) == 0 {
+			continue
+		}
+		change := &endpointsChange{previous: c.endpointsMapOf(nn, tracker.applied)}
+		for name, info := range tracker.pending {
+			if info.remove {
+				delete(tracker.applied, name)
+			} else {
+				tracker.applied[name] = info
+			}
+		}
+		clear(tracker.pending)
+		if len(tracker.applied) == 0 {
+			delete(c.services, nn)
+		}
+		change.current = c.endpointsMapOf(nn, tracker.applied)
+		changes[nn] = change
+	}
+	return changes
+}
+
+// EndpointsMap returns the applied endpoints of one service.
+func (c *EndpointSliceCache) EndpointsMap(nn types.NamespacedName) EndpointsMap {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	tracker, ok := c.services[nn]
+	if !ok {
+		return EndpointsMap{}
+	}
+	return c.endpointsMapOf(nn, tracker.applied)
+}
+
+// endpointsMapOf merges the slices of one service. Slices are visited in name
+// order; an endpoint (IP and port) seen twice keeps its first occurrence,
+// unless that one is terminating and the later one is not (an IP reused by a
+// new pod while the old one terminates). Lists are sorted by IP then port;
+// ports without endpoints are omitted.
+func (c *EndpointSliceCache) endpointsMapOf(nn types.NamespacedName, slicesByName map[string]*sliceInfo) EndpointsMap {
+	byPort := make(map[ServicePortName]map[netip.AddrPort]*Endpoint)
+	for _, sliceName := range slices.Sorted(maps.Keys(slicesByName)) {
+		info := slicesByName[sliceName]
+		for _, p := range info.ports {
+			spn := ServicePortName{NamespacedName: nn, Port: p.name, Protocol: p.protocol}
+			set := byPort[spn]
+			if set == nil {
+				set = make(map[netip.AddrPort]*Endpoint)
+				byPort[spn] = set
+			}
+			for _, tmpl := range info.endpoints {
+				key := netip.AddrPortFrom(tmpl.IP, uint16(p.port))
+				if existing, dup := set[key]; dup && !(existing.Terminating && !tmpl.Terminating) {
+					continue
+				}
+				ep := *tmpl
+				ep.Port = p.port
+				set[key] = &ep
+			}
+		}
+	}
+	out := make(EndpointsMap, len(byPort))
+	for spn, set := range byPort {
+		if len(set) == 0 {
+			continue
+		}
+		list := slices.Collect(maps.Values(set))
+		slices.SortFunc(list, compareEndpoints)
+		out[spn] = list
+	}
+	return out
+}
+
+func compareEndpoints(a, b *Endpoint) int {
+	if c := a.IP.Compare(b.IP); c != 0 {
+		return c
+	}
+	return cmp.Compare(a.Port, b.Port)
+}
+
+// newSliceInfo extracts what the dataplane needs from a slice. Endpoints of
+// the wrong family or with unparsable addresses are logged and dropped, as
+// are ports without a number.
+func (c *EndpointSliceCache) newSliceInfo(slice *discovery.EndpointSlice, remove bool) *sliceInfo {
+	info := &sliceInfo{remove: remove}
+	if remove {
+		return info
+	}
+	logger := c.logger.WithValues("endpointSlice", klog.KObj(slice))
+	for _, p := range slice.Ports {
+		// The API server defaults a missing name to "" and protocol to TCP.
+		name := ""
+		if p.Name != nil {
+			name = *p.Name
+		}
+		if p.Port == nil || *p.Port <= 0 || *p.Port > 65535 {
+			logger.V(2).Info("Ignoring EndpointSlice port without a valid number", "portName", name)
+			continue
+		}
+		protocol := v1.ProtocolTCP
+		if p.Protocol != nil && *p.Protocol != "" {
+			protocol = *p.Protocol
+		}
+		info.ports = append(info.ports, slicePort{name: name, protocol: protocol, port: int(*p.Port)})
+	}
+	slices.SortFunc(info.ports, func(a, b slicePort) int {
+		return cmp.Or(cmp.Compare(a.name, b.name), cmp.Compare(a.protocol, b.protocol), cmp.Compare(a.port, b.port))
+	})
+	for i := range slice.Endpoints {
+		e := &slice.Endpoints[i]
+		if len(e.Addresses) == 0 {
+			logger.V(2).Info("Ignoring endpoint without an address")
+			continue
+		}
+		addr, ok := parseAddrSloppy(e.Addresses[0])
+		if !ok {
+			logger.Error(nil, "Ignoring endpoint with an invalid address", "address", e.Addresses[0])
+			continue
+		}
+		if familyOfAddr(addr) != c.family {
+			logger.Error(nil, "Ignoring endpoint of the wrong IP family", "address", e.Addresses[0])
+			continue
+		}
+		ready := e.Conditions.Ready == nil || *e.Conditions.Ready
+		ep := &Endpoint{
+			IP:          addr,
+			Ready:       ready,
+			Serving:     true, // nil serving means serving, as upstream reads it
+			Terminating: e.Conditions.Terminating != nil && *e.Conditions.Terminating,
+		}
+		if e.Conditions.Serving != nil {
+			ep.Serving = *e.Conditions.Serving
+		}
+		if e.NodeName != nil {
+			ep.NodeName = *e.NodeName
+			ep.IsLocal = c.nodeName != "" && ep.NodeName == c.nodeName
+		}
+		if e.Zone != nil {
+			ep.Zone = *e.Zone
+		}
+		if e.Hints != nil {
+			if len(e.Hints.ForZones) > 0 {
+				ep.ZoneHints = sets.New[string]()
+				for _, z := range e.Hints.ForZones {
+					ep.ZoneHints.Insert(z.Name)
+				}
+			}
+			if len(e.Hints.ForNodes) > 0 {
+				ep.NodeHints = sets.New[string]()
+				for _, n := range e.Hints.ForNodes {
+					ep.NodeHints.Insert(n.Name)
+				}
+			}
+		}
+		info.endpoints = append(info.endpoints, ep)
+	}
+	return info
+}
+
+func (s *sliceInfo) equal(o *sliceInfo) bool {
+	if s == nil || o == nil {
+		return s == o
+	}
+	return s.remove == o.remove &&
+		slices.Equal(s.ports, o.ports) &&
+		slices.EqualFunc(s.endpoints, o.endpoints, func(a, b *Endpoint) bool { return a.equal(b) })
+}
+
+// equal compares every field of two endpoints.
+func (e *Endpoint) equal(o *Endpoint) bool {
+	if e == nil || o == nil {
+		return e == o
+	}
+	return e.IP == o.IP &&
+		e.Port == o.Port &&
+		e.Ready == o.Ready &&
+		e.Serving == o.Serving &&
+		e.Terminating == o.Terminating &&
+		e.NodeName == o.NodeName &&
+		e.Zone == o.Zone &&
+		e.IsLocal == o.IsLocal &&
+		hintsEqual(e.ZoneHints, o.ZoneHints) &&
+		hintsEqual(e.NodeHints, o.NodeHints)
+}
+
+func hintsEqual(a, b sets.Set[string]) bool {
+	if (a == nil) != (b == nil) {
+		return false
+	}
+	return a.Equal(b)
+}
+
+// equal reports whether two endpoint maps are the same; nil equals empty.
+func (m EndpointsMap) equal(o EndpointsMap) bool {
+	if len(m) != len(o) {
+		return false
+	}
+	for name, eps := range m {
+		oeps, ok := o[name]
+		if !ok || !slices.EqualFunc(eps, oeps, func(a, b *Endpoint) bool { return a.equal(b) }) {
+			return false
+		}
+	}
+	return true
+}

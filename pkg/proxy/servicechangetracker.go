@@ -1,0 +1,141 @@
+package proxy
+
+import (
+	"sync"
+
+	"github.com/go-logr/logr"
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/klog/v2"
+)
+
+// ServiceChangeTrackerOptions configures a ServiceChangeTracker.
+type ServiceChangeTrackerOptions struct {
+	// Family is the IP family whose service ports the tracker builds.
+	Family v1.IPFamily
+	// Logger receives the tracker's messages; klog.Background() when unset.
+	Logger klog.Logger
+}
+
+// ServiceChangeTracker accumulates Service changes between syncs, keyed by
+// namespace/name. For each service it keeps the ServicePorts as last applied
+// (previous) and as now seen (current); a service whose changes cancel out
+// (added then deleted, or updated back) is dropped. It is safe for concurrent
+// use.
+type ServiceChangeTracker struct {
+	family v1.IPFamily
+	logger klog.Logger
+
+	mu    sync.Mutex
+	items map[types.NamespacedName]*serviceChange
+}
+
+// serviceChange is the coalesced change of one service since the last Apply.
+type serviceChange struct {
+	previous ServicePortMap
+	current  ServicePortMap
+}
+
+// UpdateServiceMapResult describes what an Apply changed.
+type UpdateServiceMapResult struct {
+	// UpdatedServices names every service added, updated or deleted.
+	UpdatedServices sets.Set[types.NamespacedName]
+	// DeletedUDPClusterIPs holds the ClusterIPs of UDP service ports that
+	// went away, whose conntrack entries must be cleared.
+	DeletedUDPClusterIPs sets.Set[string]
+}
+
+// NewServiceChangeTracker returns an empty tracker for opts.Family.
+func NewServiceChangeTracker(opts ServiceChangeTrackerOptions) *ServiceChangeTracker {
+	logger := opts.Logger
+	if logger.GetSink() == nil {
+		logger = klog.Background()
+	}
+	return &ServiceChangeTracker{
+		family: opts.Family,
+		logger: logger.WithValues("ipFamily", opts.Family),
+		items:  make(map[types.NamespacedName]*serviceChange),
+	}
+}
+
+// Update records a change from previous to current: a nil previous is an
+// add, a nil current a delete. It returns whether the tracker holds changes
+// to apply (from this or an earlier update).
+func (t *ServiceChangeTracker) Update(previous, current *v1.Service) bool {
+	svc := current
+	if svc == nil {
+		svc = previous
+	}
+	if svc == nil {
+		return t.hasPending()
+	}
+	nn := types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}
+	currentPorts := NewServicePortsFromService(current, t.family, t.logger)
+
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	change, ok := t.items[nn]
+	if !ok {
+		// previous was already logged about when it was current.
+		change = &serviceChange{previous: NewServicePortsFromService(previous, t.family, logr.Discard())}
+		t.items[nn] = change
+	}
+	change.current = currentPorts
+	if change.previous.equal(change.current) {
+		delete(t.items, nn)
+		t.logger.V(4).Info("Service change cancelled out", "service", nn)
+	} else {
+		t.logger.V(4).Info("Service change pending", "service", nn, "ports", len(change.current))
+	}
+	return len(t.items) > 0
+}
+
+func (t *ServiceChangeTracker) hasPending() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.items) > 0
+}
+
+// PendingChanges names ("namespace/name") the services with changes not yet
+// applied.
+func (t *ServiceChangeTracker) PendingChanges() sets.Set[string] {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := sets.New[string]()
+	for nn := range t.items {
+		out.Insert(nn.String())
+	}
+	return out
+}
+
+// Apply folds every pending change into m and clears the tracker.
+func (t *ServiceChangeTracker) Apply(m ServicePortMap) UpdateServiceMapResult {
+	t.mu.Lock()
+	items := t.items
+	t.items = make(map[types.NamespacedName]*serviceChange)
+	t.mu.Unlock()
+
+	result := UpdateServiceMapResult{
+		UpdatedServices:      sets.New[types.NamespacedName](),
+		DeletedUDPClusterIPs: sets.New[string](),
+	}
+	for nn, change := range items {
+		result.UpdatedServices.Insert(nn)
+		for name, old := range change.previous {
+			cur, stays := change.current[name]
+			if old.Protocol == v1.ProtocolUDP && old.ClusterIP.IsValid() && (!stays || cur.ClusterIP != old.ClusterIP) {
+				result.DeletedUDPClusterIPs.Insert(old.ClusterIP.String())
+			}
+			if !stays {
+				t.logger.V(4).Info("Removing service port", "servicePort", name)
+				delete(m, name)
+			}
+		}
+		for name, sp := range change.current {
+			t.logger.V(4).Info("Setting service port", "servicePort", name)
+			m[name] = sp
+		}
+	}
+	return result
+}

@@ -1,0 +1,467 @@
+package proxy
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/klog/v2/ktesting"
+	"k8s.io/utils/ptr"
+)
+
+// spTestService is a dual-stack ClusterIP service with one TCP port "http".
+func spTestService(mods ...func(*v1.Service)) *v1.Service {
+	svc := &v1.Service{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "svc"},
+		Spec: v1.ServiceSpec{
+			Type:       v1.ServiceTypeClusterIP,
+			ClusterIP:  "10.0.0.1",
+			ClusterIPs: []string{"10.0.0.1", "fd00::1"},
+			IPFamilies: []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol},
+			Ports:      []v1.ServicePort{{Name: "http", Port: 80, Protocol: v1.ProtocolTCP}},
+		},
+	}
+	for _, mod := range mods {
+		mod(svc)
+	}
+	return svc
+}
+
+var spTestName = types.NamespacedName{Namespace: "ns", Name: "svc"}
+
+// spTestPort is the expected ServicePort of spTestService's "http" port.
+func spTestPort(clusterIP string, mods ...func(*ServicePort)) *ServicePort {
+	sp := &ServicePort{
+		Name:      ServicePortName{NamespacedName: spTestName, Port: "http", Protocol: v1.ProtocolTCP},
+		ClusterIP: netip.MustParseAddr(clusterIP),
+		Port:      80,
+		Protocol:  v1.ProtocolTCP,
+	}
+	for _, mod := range mods {
+		mod(sp)
+	}
+	return sp
+}
+
+func spTestMap(ports ...*ServicePort) ServicePortMap {
+	m := ServicePortMap{}
+	for _, p := range ports {
+		m[p.Name] = p
+	}
+	return m
+}
+
+func spTestAddrs(ss ...string) []netip.Addr {
+	var out []netip.Addr
+	for _, s := range ss {
+		out = append(out, netip.MustParseAddr(s))
+	}
+	return out
+}
+
+func spTestPrefixes(ss ...string) []netip.Prefix {
+	var out []netip.Prefix
+	for _, s := range ss {
+		out = append(out, netip.MustParsePrefix(s))
+	}
+	return out
+}
+
+func spTestIngress(ip string, mode *v1.LoadBalancerIPMode) v1.LoadBalancerIngress {
+	return v1.LoadBalancerIngress{IP: ip, IPMode: mode}
+}
+
+func TestNewServicePortsFromService(t *testing.T) {
+	malformedKeys := `["zone1",`
+	_, malformedErr := ParseTopologyKeys(malformedKeys)
+	if malformedErr == nil {
+		t.Fatalf("ParseTopologyKeys(%q) succeeded, the test needs a malformed value", malformedKeys)
+	}
+
+	lb := func(s *v1.Service) {
+		s.Spec.Type = v1.ServiceTypeLoadBalancer
+		s.Spec.Ports[0].NodePort = 30080
+	}
+
+	tests := []struct {
+		name   string
+		svc    *v1.Service
+		family v1.IPFamily
+		want   ServicePortMap
+	}{
+		{
+			name:   "dual-stack service, IPv4 family",
+			svc:    spTestService(),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1")),
+		},
+		{
+			name:   "dual-stack service, IPv6 family",
+			svc:    spTestService(),
+			family: v1.IPv6Protocol,
+			want:   spTestMap(spTestPort("fd00::1")),
+		},
+		{
+			name: "IPv6-primary dual-stack service, IPv4 family",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIP = "fd00::1"
+				s.Spec.ClusterIPs = []string{"fd00::1", "10.0.0.1"}
+				s.Spec.IPFamilies = []v1.IPFamily{v1.IPv6Protocol, v1.IPv4Protocol}
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1")),
+		},
+		{
+			name: "single-stack IPv4 service, IPv6 family yields nothing",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIPs = []string{"10.0.0.1"}
+				s.Spec.IPFamilies = []v1.IPFamily{v1.IPv4Protocol}
+			}),
+			family: v1.IPv6Protocol,
+			want:   nil,
+		},
+		{
+			name: "legacy object with only spec.clusterIP",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIPs = nil
+				s.Spec.IPFamilies = nil
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1")),
+		},
+		{
+			name: "headless service yields nothing",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIP = v1.ClusterIPNone
+				s.Spec.ClusterIPs = []string{v1.ClusterIPNone}
+			}),
+			family: v1.IPv4Protocol,
+			want:   nil,
+		},
+		{
+			name: "ExternalName service yields nothing",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Type = v1.ServiceTypeExternalName
+				s.Spec.ExternalName = "example.com"
+			}),
+			family: v1.IPv4Protocol,
+			want:   nil,
+		},
+		{
+			name: "service without ClusterIP yields nothing",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIP = ""
+				s.Spec.ClusterIPs = nil
+			}),
+			family: v1.IPv4Protocol,
+			want:   nil,
+		},
+		{
+			name: "invalid ClusterIP yields nothing",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIP = "10.0.0.300"
+				s.Spec.ClusterIPs = []string{"10.0.0.300"}
+			}),
+			family: v1.IPv4Protocol,
+			want:   nil,
+		},
+		{
+			name: "every port, unnamed port and defaulted protocol",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Ports = []v1.ServicePort{
+					{Name: "", Port: 53, Protocol: v1.ProtocolUDP},
+					{Name: "http", Port: 80},
+				}
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(
+				spTestPort("10.0.0.1", func(p *ServicePort) {
+					p.Name = ServicePortName{NamespacedName: spTestName, Port: "", Protocol: v1.ProtocolUDP}
+					p.Port = 53
+					p.Protocol = v1.ProtocolUDP
+				}),
+				spTestPort("10.0.0.1"),
+			),
+		},
+		{
+			name: "node port",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Type = v1.ServiceTypeNodePort
+				s.Spec.Ports[0].NodePort = 30080
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.NodePort = 30080 })),
+		},
+		{
+			name: "external IPs of the family, invalid ones skipped",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ExternalIPs = []string{"192.0.2.1", "not-an-ip", "2001:db8::1", " 192.0.2.2 ", "192.0.2.300"}
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.ExternalIPs = spTestAddrs("192.0.2.1", "192.0.2.2") })),
+		},
+		{
+			name: "external IPs of the IPv6 family",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ExternalIPs = []string{"192.0.2.1", "2001:db8::1"}
+			}),
+			family: v1.IPv6Protocol,
+			want:   spTestMap(spTestPort("fd00::1", func(p *ServicePort) { p.ExternalIPs = spTestAddrs("2001:db8::1") })),
+		},
+		{
+			name: "load balancer VIPs of the family, ipMode Proxy and hostnames excluded",
+			svc: spTestService(lb, func(s *v1.Service) {
+				s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{
+					spTestIngress("198.51.100.1", nil),
+					spTestIngress("198.51.100.2", ptr.To(v1.LoadBalancerIPModeVIP)),
+					spTestIngress("198.51.100.3", ptr.To(v1.LoadBalancerIPModeProxy)),
+					spTestIngress("2001:db8::10", nil),
+					{Hostname: "lb.example.com"},
+				}
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.NodePort = 30080
+				p.LoadBalancerVIPs = spTestAddrs("198.51.100.1", "198.51.100.2")
+			})),
+		},
+		{
+			name: "load balancer VIPs of the IPv6 family",
+			svc: spTestService(lb, func(s *v1.Service) {
+				s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{
+					spTestIngress("198.51.100.1", nil),
+					spTestIngress("2001:db8::10", nil),
+					spTestIngress("2001:db8::11", ptr.To(v1.LoadBalancerIPModeProxy)),
+				}
+			}),
+			family: v1.IPv6Protocol,
+			want: spTestMap(spTestPort("fd00::1", func(p *ServicePort) {
+				p.NodePort = 30080
+				p.LoadBalancerVIPs = spTestAddrs("2001:db8::10")
+			})),
+		},
+		{
+			name: "load balancer ingress ignored unless type LoadBalancer",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Type = v1.ServiceTypeNodePort
+				s.Spec.Ports[0].NodePort = 30080
+				s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{spTestIngress("198.51.100.1", nil)}
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.NodePort = 30080 })),
+		},
+		{
+			name: "source ranges from the field, trimmed, of the family, invalid skipped",
+			svc: spTestService(lb, func(s *v1.Service) {
+				s.Spec.LoadBalancerSourceRanges = []string{" 192.0.2.0/24", "2001:db8::/64", "bogus", "10.1.2.3/8"}
+				s.Annotations = map[string]string{v1.AnnotationLoadBalancerSourceRangesKey: "203.0.113.0/24"}
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.NodePort = 30080
+				p.LoadBalancerSourceRanges = spTestPrefixes("192.0.2.0/24", "10.0.0.0/8")
+			})),
+		},
+		{
+			name: "source ranges from the annotation when the field is empty",
+			svc: spTestService(lb, func(s *v1.Service) {
+				s.Annotations = map[string]string{v1.AnnotationLoadBalancerSourceRangesKey: "203.0.113.0/24, 2001:db8::/48 ,nope,"}
+			}),
+			family: v1.IPv6Protocol,
+			want: spTestMap(spTestPort("fd00::1", func(p *ServicePort) {
+				p.NodePort = 30080
+				p.LoadBalancerSourceRanges = spTestPrefixes("2001:db8::/48")
+			})),
+		},
+		{
+			name: "session affinity ClientIP without timeout uses the default",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.SessionAffinity = v1.ServiceAffinityClientIP
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.SessionAffinityClientIP = true
+				p.StickyMaxAgeSeconds = 10800
+			})),
+		},
+		{
+			name: "session affinity ClientIP with timeout",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.SessionAffinity = v1.ServiceAffinityClientIP
+				s.Spec.SessionAffinityConfig = &v1.SessionAffinityConfig{ClientIP: &v1.ClientIPConfig{TimeoutSeconds: ptr.To[int32](60)}}
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.SessionAffinityClientIP = true
+				p.StickyMaxAgeSeconds = 60
+			})),
+		},
+		{
+			name: "session affinity None ignores the config",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.SessionAffinity = v1.ServiceAffinityNone
+				s.Spec.SessionAffinityConfig = &v1.SessionAffinityConfig{ClientIP: &v1.ClientIPConfig{TimeoutSeconds: ptr.To[int32](60)}}
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1")),
+		},
+		{
+			name: "externalTrafficPolicy Local on a LoadBalancer, with health check node port",
+			svc: spTestService(lb, func(s *v1.Service) {
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+				s.Spec.HealthCheckNodePort = 32000
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.NodePort = 30080
+				p.ExternalPolicyLocal = true
+				p.HealthCheckNodePort = 32000
+			})),
+		},
+		{
+			name: "externalTrafficPolicy Local on a NodePort, no health check node port",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Type = v1.ServiceTypeNodePort
+				s.Spec.Ports[0].NodePort = 30080
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+				s.Spec.HealthCheckNodePort = 32000
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.NodePort = 30080
+				p.ExternalPolicyLocal = true
+			})),
+		},
+		{
+			name: "externalTrafficPolicy Local on a ClusterIP service with external IPs",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ExternalIPs = []string{"192.0.2.1"}
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.ExternalIPs = spTestAddrs("192.0.2.1")
+				p.ExternalPolicyLocal = true
+			})),
+		},
+		{
+			name: "externalTrafficPolicy Local on an internal-only ClusterIP service is ignored",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1")),
+		},
+		{
+			name: "LoadBalancer with externalTrafficPolicy Local but no health check node port",
+			svc: spTestService(lb, func(s *v1.Service) {
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.NodePort = 30080
+				p.ExternalPolicyLocal = true
+			})),
+		},
+		{
+			name: "internalTrafficPolicy Local",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.InternalTrafficPolicy = ptr.To(v1.ServiceInternalTrafficPolicyLocal)
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.InternalPolicyLocal = true })),
+		},
+		{
+			name: "internalTrafficPolicy Cluster",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.InternalTrafficPolicy = ptr.To(v1.ServiceInternalTrafficPolicyCluster)
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1")),
+		},
+		{
+			name: "trafficDistribution",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.TrafficDistribution = ptr.To(v1.ServiceTrafficDistributionPreferSameZone)
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.TrafficDistribution = v1.ServiceTrafficDistributionPreferSameZone
+			})),
+		},
+		{
+			name: "topology keys",
+			svc: spTestService(func(s *v1.Service) {
+				s.Annotations = map[string]string{AnnotationTopologyKeys: `["zone1", "*"]`}
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.TopologyKeys = []string{"zone1", "*"} })),
+		},
+		{
+			name: "malformed topology keys: error stored, no keys, service kept",
+			svc: spTestService(func(s *v1.Service) {
+				s.Annotations = map[string]string{AnnotationTopologyKeys: malformedKeys}
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.TopologyKeysError = malformedErr })),
+		},
+		{
+			name: "empty topology keys annotation",
+			svc: spTestService(func(s *v1.Service) {
+				s.Annotations = map[string]string{AnnotationTopologyKeys: ""}
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1")),
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			logger, _ := ktesting.NewTestContext(t)
+			got := NewServicePortsFromService(tc.svc, tc.family, logger)
+			if !got.equal(tc.want) {
+				t.Errorf("got\n%s\nwant\n%s", spTestDump(got), spTestDump(tc.want))
+			}
+			if tc.want == nil && got != nil {
+				t.Errorf("got non-nil empty map %v, want nil", got)
+			}
+			for name, sp := range got {
+				if sp.TopologyKeysError != nil && sp.TopologyKeys != nil {
+					t.Errorf("%s: TopologyKeys %v set together with TopologyKeysError", name, sp.TopologyKeys)
+				}
+			}
+		})
+	}
+}
+
+func TestNewServicePortsFromServiceLogsTopologyKeysErrorOnce(t *testing.T) {
+	logger := ktesting.NewLogger(t, ktesting.NewConfig(ktesting.BufferLogs(true)))
+	svc := spTestService(func(s *v1.Service) {
+		s.Spec.Ports = append(s.Spec.Ports, v1.ServicePort{Name: "https", Port: 443, Protocol: v1.ProtocolTCP})
+		s.Annotations = map[string]string{AnnotationTopologyKeys: `"zone1"`}
+	})
+	got := NewServicePortsFromService(svc, v1.IPv4Protocol, logger)
+	if len(got) != 2 {
+		t.Fatalf("got %d ports, want 2", len(got))
+	}
+	errors := 0
+	for _, entry := range logger.GetSink().(ktesting.Underlier).GetBuffer().Data() {
+		if entry.Type == ktesting.LogError && strings.Contains(entry.Message, "topologyKeys") {
+			errors++
+		}
+	}
+	if errors != 1 {
+		t.Errorf("logged the malformed topologyKeys annotation %d times for a two-port service, want once", errors)
+	}
+}
+
+func spTestDump(m ServicePortMap) string {
+	var b strings.Builder
+	for name, sp := range m {
+		fmt.Fprintf(&b, "%s/%s: %+v\n", name, name.Protocol, *sp)
+	}
+	return b.String()
+}

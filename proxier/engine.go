@@ -1,0 +1,333 @@
+package proxier
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
+
+	"github.com/kproxy/kproxy/pkg/proxy"
+	"github.com/kproxy/kproxy/pkg/runner"
+)
+
+// DefaultFullSyncPeriod is how often a sync rewrites every rule even when
+// partial syncs would do, as upstream kube-proxy does (one hour).
+const DefaultFullSyncPeriod = time.Hour
+
+// SyncResult describes one sync attempt, for metrics and health.
+type SyncResult struct {
+	Family   v1.IPFamily
+	Full     bool
+	Start    time.Time
+	Duration time.Duration
+	Err      error
+	// Services is the number of service ports programmed.
+	Services int
+	// NoLocalEndpointsInternal / External count service ports whose Local
+	// policy leaves them without an endpoint on this node.
+	NoLocalEndpointsInternal int
+	NoLocalEndpointsExternal int
+	// TriggerTimes are the EndpointSlice last-change-trigger-times this sync
+	// applied (network programming latency).
+	TriggerTimes []time.Time
+	// DeletedUDPClusterIPs and DeletedUDPEndpoints name conntrack entries
+	// that went stale with this sync.
+	DeletedUDPClusterIPs sets.Set[string]
+	DeletedUDPEndpoints  []proxy.ServiceEndpoint
+}
+
+// EngineOptions configures an Engine.
+type EngineOptions struct {
+	Family   v1.IPFamily
+	NodeName string
+	Backend  Backend
+	// MinSyncPeriod is the least time between syncs (--iptables-min-sync-period).
+	MinSyncPeriod time.Duration
+	// SyncPeriod is the most time between syncs (--iptables-sync-period).
+	SyncPeriod time.Duration
+	// FullSyncPeriod forces a full sync this often; default one hour.
+	FullSyncPeriod time.Duration
+	// RetryPeriod is the wait before retrying a failed sync; default
+	// MinSyncPeriod, at least one second.
+	RetryPeriod time.Duration
+	// NodeLabels is the shared node-label cache; nil creates one.
+	NodeLabels *proxy.NodeLabels
+	// OnSync, when set, is called after every sync attempt.
+	OnSync func(SyncResult)
+	// OnQueued, when set, is called whenever a change asks for a sync.
+	OnQueued func(time.Time)
+	Clock    clock.WithTicker
+	Logger   klog.Logger
+}
+
+// Engine is the backend-independent part of a proxier for one IP family: it
+// folds informer events into the model and syncs the backend from a
+// bounded-frequency runner.
+type Engine struct {
+	opts    EngineOptions
+	backend Backend
+	clock   clock.WithTicker
+	logger  klog.Logger
+	runner  *runner.BoundedFrequencyRunner
+
+	serviceChanges   *proxy.ServiceChangeTracker
+	endpointsChanges *proxy.EndpointsChangeTracker
+	nodeLabels       *proxy.NodeLabels
+
+	mu                   sync.Mutex // guards the fields below
+	servicesSynced       bool
+	endpointSlicesSynced bool
+	topologyChanged      bool
+	needFullSync         bool
+	lastFullSync         time.Time
+	svcPortMap           proxy.ServicePortMap
+	endpointsMap         proxy.EndpointsMap
+	states               map[proxy.ServicePortName]*proxy.ServiceState
+}
+
+var _ Proxier = (*Engine)(nil)
+
+// NewEngine validates opts and builds an Engine; it starts nothing.
+func NewEngine(opts EngineOptions) (*Engine, error) {
+	if opts.Backend == nil {
+		return nil, errors.New("engine: Backend is required")
+	}
+	if opts.Family != v1.IPv4Protocol && opts.Family != v1.IPv6Protocol {
+		return nil, fmt.Errorf("engine: unknown IP family %q", opts.Family)
+	}
+	if opts.NodeName == "" {
+		return nil, errors.New("engine: NodeName is required")
+	}
+	if opts.SyncPeriod <= 0 {
+		return nil, fmt.Errorf("engine: sync period must be positive, got %v", opts.SyncPeriod)
+	}
+	if opts.MinSyncPeriod < 0 || opts.MinSyncPeriod > opts.SyncPeriod {
+		return nil, fmt.Errorf("engine: min sync period %v must be between 0 and the sync period %v", opts.MinSyncPeriod, opts.SyncPeriod)
+	}
+	if opts.FullSyncPeriod <= 0 {
+		opts.FullSyncPeriod = DefaultFullSyncPeriod
+	}
+	if opts.RetryPeriod <= 0 {
+		opts.RetryPeriod = max(opts.MinSyncPeriod, time.Second)
+	}
+	if opts.Clock == nil {
+		opts.Clock = clock.RealClock{}
+	}
+	if opts.Logger.GetSink() == nil {
+		opts.Logger = klog.Background()
+	}
+	if opts.NodeLabels == nil {
+		opts.NodeLabels = proxy.NewNodeLabels(proxy.NodeLabelsOptions{NodeName: opts.NodeName})
+	}
+	logger := opts.Logger.WithValues("ipFamily", opts.Family)
+	e := &Engine{
+		opts:             opts,
+		backend:          opts.Backend,
+		clock:            opts.Clock,
+		logger:           logger,
+		serviceChanges:   proxy.NewServiceChangeTracker(proxy.ServiceChangeTrackerOptions{Family: opts.Family, Logger: logger}),
+		endpointsChanges: proxy.NewEndpointsChangeTracker(proxy.EndpointsChangeTrackerOptions{Family: opts.Family, NodeName: opts.NodeName, Clock: opts.Clock, Logger: logger}),
+		nodeLabels:       opts.NodeLabels,
+		needFullSync:     true,
+		svcPortMap:       proxy.ServicePortMap{},
+		endpointsMap:     proxy.EndpointsMap{},
+		states:           map[proxy.ServicePortName]*proxy.ServiceState{},
+	}
+	r, err := runner.NewBoundedFrequencyRunner(runner.Options{
+		Name:          "sync-" + string(opts.Family),
+		Fn:            e.syncOnce,
+		MinInterval:   opts.MinSyncPeriod,
+		RetryInterval: opts.RetryPeriod,
+		MaxInterval:   opts.SyncPeriod,
+		Clock:         opts.Clock,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("engine: %w", err)
+	}
+	e.runner = r
+	return e, nil
+}
+
+// requestSync asks the runner for a sync once both caches have synced.
+func (e *Engine) requestSync() {
+	if e.opts.OnQueued != nil {
+		e.opts.OnQueued(e.clock.Now())
+	}
+	e.mu.Lock()
+	ready := e.servicesSynced && e.endpointSlicesSynced
+	e.mu.Unlock()
+	if ready {
+		e.runner.Run()
+	}
+}
+
+// Sync implements Proxier.
+func (e *Engine) Sync() { e.runner.Run() }
+
+// SyncLoop implements Proxier.
+func (e *Engine) SyncLoop(ctx context.Context) { e.runner.Loop(ctx) }
+
+// OnServiceAdd implements config.ServiceHandler.
+func (e *Engine) OnServiceAdd(service *v1.Service) { e.OnServiceUpdate(nil, service) }
+
+// OnServiceUpdate implements config.ServiceHandler.
+func (e *Engine) OnServiceUpdate(oldService, service *v1.Service) {
+	if e.serviceChanges.Update(oldService, service) {
+		e.requestSync()
+	}
+}
+
+// OnServiceDelete implements config.ServiceHandler.
+func (e *Engine) OnServiceDelete(service *v1.Service) { e.OnServiceUpdate(service, nil) }
+
+// OnServiceSynced implements config.ServiceHandler.
+func (e *Engine) OnServiceSynced() {
+	e.mu.Lock()
+	e.servicesSynced = true
+	e.mu.Unlock()
+	e.requestSync()
+}
+
+// OnEndpointSliceAdd implements config.EndpointSliceHandler.
+func (e *Engine) OnEndpointSliceAdd(slice *discovery.EndpointSlice) {
+	if e.endpointsChanges.EndpointSliceUpdate(slice, false) {
+		e.requestSync()
+	}
+}
+
+// OnEndpointSliceUpdate implements config.EndpointSliceHandler.
+func (e *Engine) OnEndpointSliceUpdate(_, slice *discovery.EndpointSlice) {
+	e.OnEndpointSliceAdd(slice)
+}
+
+// OnEndpointSliceDelete implements config.EndpointSliceHandler.
+func (e *Engine) OnEndpointSliceDelete(slice *discovery.EndpointSlice) {
+	if e.endpointsChanges.EndpointSliceUpdate(slice, true) {
+		e.requestSync()
+	}
+}
+
+// OnEndpointSlicesSynced implements config.EndpointSliceHandler.
+func (e *Engine) OnEndpointSlicesSynced() {
+	e.mu.Lock()
+	e.endpointSlicesSynced = true
+	e.mu.Unlock()
+	e.requestSync()
+}
+
+// OnNodeAdd implements config.NodeHandler. Node labels feed topology: a
+// change re-filters every service's endpoints on the next sync.
+func (e *Engine) OnNodeAdd(node *v1.Node) {
+	if e.nodeLabels.Set(node) {
+		e.markTopologyChanged()
+	}
+}
+
+// OnNodeUpdate implements config.NodeHandler.
+func (e *Engine) OnNodeUpdate(_, node *v1.Node) { e.OnNodeAdd(node) }
+
+// OnNodeDelete implements config.NodeHandler.
+func (e *Engine) OnNodeDelete(node *v1.Node) {
+	if e.nodeLabels.Delete(node.Name) {
+		e.markTopologyChanged()
+	}
+}
+
+// OnNodeSynced implements config.NodeHandler.
+func (e *Engine) OnNodeSynced() {}
+
+func (e *Engine) markTopologyChanged() {
+	e.mu.Lock()
+	e.topologyChanged = true
+	e.mu.Unlock()
+	e.requestSync()
+}
+
+// SyncRules runs one sync now, outside the runner; for tests and tools.
+func (e *Engine) SyncRules(ctx context.Context) error { return e.syncOnce(ctx) }
+
+// syncOnce is the runner's function: one sync of the backend.
+func (e *Engine) syncOnce(ctx context.Context) error {
+	ctx = klog.NewContext(ctx, e.logger)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if !e.servicesSynced || !e.endpointSlicesSynced {
+		e.logger.V(2).Info("Not syncing until Services and EndpointSlices are synced")
+		return nil
+	}
+	start := e.clock.Now()
+	svcResult := e.serviceChanges.Apply(e.svcPortMap)
+	epResult := e.endpointsChanges.Apply(e.endpointsMap)
+
+	full := e.needFullSync || start.Sub(e.lastFullSync) >= e.opts.FullSyncPeriod
+	changed := svcResult.UpdatedServices.Union(epResult.UpdatedServices)
+	if e.topologyChanged {
+		for name := range e.svcPortMap {
+			changed.Insert(name.NamespacedName)
+		}
+		e.topologyChanged = false
+	}
+	state := e.buildState(changed, full)
+	err := e.backend.Sync(ctx, state, full)
+	result := SyncResult{
+		Family: e.opts.Family, Full: full, Start: start, Duration: e.clock.Since(start), Err: err,
+		Services: len(state.Services), DeletedUDPClusterIPs: svcResult.DeletedUDPClusterIPs,
+		DeletedUDPEndpoints: epResult.DeletedUDPEndpoints,
+	}
+	for _, st := range state.Services {
+		if st.InternalPolicyLocal && st.HasAnyEndpoints && !st.HasLocalEndpoints() {
+			result.NoLocalEndpointsInternal++
+		}
+		if st.ExternalPolicyLocal && st.HasAnyEndpoints && !st.HasLocalEndpoints() {
+			result.NoLocalEndpointsExternal++
+		}
+	}
+	for _, times := range epResult.LastChangeTriggerTimes {
+		result.TriggerTimes = append(result.TriggerTimes, times...)
+	}
+	if err != nil {
+		e.needFullSync = true
+		e.logger.Error(err, "Sync failed; the next sync will be full", "full", full)
+	} else {
+		e.needFullSync = false
+		if full {
+			e.lastFullSync = start
+		}
+		e.logger.V(2).Info("Synced", "full", full, "servicePorts", len(state.Services), "changedServices", changed.Len(), "duration", result.Duration)
+	}
+	if e.opts.OnSync != nil {
+		e.opts.OnSync(result)
+	}
+	return err
+}
+
+// buildState recomputes the ServiceState of every changed service (all of
+// them on a full sync) and returns the node state for the backend. This is
+// the one place where endpoints are chosen for this node.
+func (e *Engine) buildState(changed sets.Set[types.NamespacedName], full bool) *proxy.NodeState {
+	topo := e.nodeLabels.TopologyInfo()
+	for name := range e.states {
+		if _, ok := e.svcPortMap[name]; !ok {
+			delete(e.states, name)
+		}
+	}
+	for name, sp := range e.svcPortMap {
+		if _, ok := e.states[name]; ok && !full && !changed.Has(name.NamespacedName) {
+			continue
+		}
+		cluster, local, all, hasAny := proxy.CategorizeEndpoints(e.endpointsMap[name], sp, topo)
+		e.states[name] = &proxy.ServiceState{
+			ServicePort: sp, ClusterEndpoints: cluster, LocalEndpoints: local,
+			AllEndpoints: all, HasAnyEndpoints: hasAny,
+		}
+	}
+	return &proxy.NodeState{Family: e.opts.Family, NodeName: e.opts.NodeName, Services: e.states, Changed: changed}
+}

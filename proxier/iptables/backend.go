@@ -1,0 +1,580 @@
+// Package iptables is kproxy's iptables backend: it renders the node's
+// desired state into nat and filter rules and applies them with
+// iptables-restore --noflush, one atomic restore per sync.
+package iptables
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sort"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
+
+	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/proxy"
+	"github.com/kproxy/kproxy/proxier"
+)
+
+// Options configures a Backend. IPTables is required; the rest have
+// kube-proxy's defaults.
+type Options struct {
+	IPTables ipt.Interface
+	// MasqueradeBit is the fwmark bit (0-31) that asks for SNAT; default 14.
+	MasqueradeBit *int
+	// MasqueradeAll masquerades all traffic to ClusterIPs.
+	MasqueradeAll bool
+	// ClusterCIDR of this family: ClusterIP traffic from outside it is
+	// masqueraded. Zero means unknown (no such rule).
+	ClusterCIDR netip.Prefix
+	// NodePortAddresses restricts node ports to local addresses inside these
+	// prefixes. nil means every local address; an empty non-nil slice means
+	// none (--nodeport-addresses named only the other family).
+	NodePortAddresses []netip.Prefix
+	// LocalAddresses lists the node's addresses; nil uses the host's
+	// interfaces.
+	LocalAddresses func() ([]netip.Addr, error)
+	// BatchChains bounds the service chains per iptables-restore in a full
+	// sync: iptables-nft's restore time grows with the square of the chains
+	// in one batch. Default 2000.
+	BatchChains int
+	// CanaryInterval is how often a partial sync first checks that our
+	// chains were not flushed by someone else. Default 30s.
+	CanaryInterval time.Duration
+	Clock          clock.PassiveClock
+}
+
+// SyncStats describes the last successful sync, for logs, metrics and tests.
+type SyncStats struct {
+	Full          bool
+	Restores      int
+	ChainsWritten int
+	ChainsDeleted int
+	RulesWritten  int
+	Bytes         int
+	// NATRules and FilterRules count every rule kproxy owns after the sync.
+	NATRules    int
+	FilterRules int
+}
+
+// Backend implements proxier.Backend with iptables.
+type Backend struct {
+	ipt      ipt.Interface
+	ipv6     bool
+	opts     Options
+	masqMark string // e.g. 0x4000
+	clock    clock.PassiveClock
+
+	// services is what was last applied, per service port.
+	services map[proxy.ServicePortName]*renderedService
+	// global is the last applied content of shared chains (dispatch trees,
+	// POSTROUTING, firewall...), per table.
+	global map[ipt.Table]map[string]string
+	// initialized is true once a full sync succeeded; false forces the next
+	// sync to be full.
+	initialized   bool
+	lastCanary    time.Time
+	last          SyncStats
+	familyChecked bool
+}
+
+var _ proxier.Backend = (*Backend)(nil)
+
+// New validates opts and returns a Backend. It touches nothing.
+func New(opts Options) (*Backend, error) {
+	if opts.IPTables == nil {
+		return nil, errors.New("iptables backend: IPTables is required")
+	}
+	bit := 14
+	if opts.MasqueradeBit != nil {
+		bit = *opts.MasqueradeBit
+	}
+	if bit < 0 || bit > 31 {
+		return nil, fmt.Errorf("iptables backend: masquerade bit %d out of range 0-31", bit)
+	}
+	if opts.BatchChains <= 0 {
+		opts.BatchChains = 2000
+	}
+	if opts.CanaryInterval <= 0 {
+		opts.CanaryInterval = 30 * time.Second
+	}
+	if opts.Clock == nil {
+		opts.Clock = clock.RealClock{}
+	}
+	if opts.LocalAddresses == nil {
+		opts.LocalAddresses = hostAddresses
+	}
+	return &Backend{
+		ipt:      opts.IPTables,
+		ipv6:     opts.IPTables.Protocol() == ipt.ProtocolIPv6,
+		opts:     opts,
+		masqMark: fmt.Sprintf("%#x", uint32(1)<<bit),
+		clock:    opts.Clock,
+		services: map[proxy.ServicePortName]*renderedService{},
+		global:   map[ipt.Table]map[string]string{},
+	}, nil
+}
+
+// LastSync returns the statistics of the last successful sync.
+func (b *Backend) LastSync() SyncStats { return b.last }
+
+// hostAddresses lists the addresses of the host's interfaces.
+func hostAddresses() ([]netip.Addr, error) {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil, fmt.Errorf("listing interface addresses: %w", err)
+	}
+	var out []netip.Addr
+	for _, a := range addrs {
+		if p, err := netip.ParsePrefix(a.String()); err == nil {
+			out = append(out, p.Addr().Unmap())
+		}
+	}
+	return out, nil
+}
+
+// localAddrs returns this family's local addresses.
+func (b *Backend) localAddrs() ([]netip.Addr, error) {
+	all, err := b.opts.LocalAddresses()
+	if err != nil {
+		return nil, err
+	}
+	var out []netip.Addr
+	for _, a := range all {
+		if a.Is6() == b.ipv6 && !a.Is4In6() {
+			out = append(out, a)
+		}
+	}
+	return out, nil
+}
+
+// jumpRule is a rule in a built-in chain that leads into ours.
+type jumpRule struct {
+	table ipt.Table
+	chain ipt.Chain
+	args  []string
+}
+
+func newOnly(args ...string) []string {
+	return append([]string{"-m", "conntrack", "--ctstate", "NEW"}, args...)
+}
+
+// jumpRules lists kproxy's hooks, in the order they should appear.
+var jumpRules = []jumpRule{
+	{ipt.TableNAT, ipt.ChainPrerouting, []string{"-m", "comment", "--comment", "kproxy service portals", "-j", chainServices}},
+	{ipt.TableNAT, ipt.ChainOutput, []string{"-m", "comment", "--comment", "kproxy service portals", "-j", chainServices}},
+	{ipt.TableNAT, ipt.ChainPostrouting, []string{"-m", "comment", "--comment", "kproxy postrouting rules", "-j", chainPostrouting}},
+	{ipt.TableFilter, ipt.ChainInput, newOnly("-m", "comment", "--comment", "kproxy load balancer firewall", "-j", chainFirewall)},
+	{ipt.TableFilter, ipt.ChainInput, []string{"-m", "comment", "--comment", "kproxy health check service ports", "-j", chainNodePorts}},
+	{ipt.TableFilter, ipt.ChainInput, newOnly("-m", "comment", "--comment", "kproxy externally-visible service portals", "-j", chainExternalServices)},
+	{ipt.TableFilter, ipt.ChainForward, newOnly("-m", "comment", "--comment", "kproxy load balancer firewall", "-j", chainFirewall)},
+	{ipt.TableFilter, ipt.ChainForward, []string{"-m", "comment", "--comment", "kproxy forwarding rules", "-j", chainForward}},
+	{ipt.TableFilter, ipt.ChainForward, newOnly("-m", "comment", "--comment", "kproxy service portals", "-j", chainServices)},
+	{ipt.TableFilter, ipt.ChainForward, newOnly("-m", "comment", "--comment", "kproxy externally-visible service portals", "-j", chainExternalServices)},
+	{ipt.TableFilter, ipt.ChainOutput, newOnly("-m", "comment", "--comment", "kproxy load balancer firewall", "-j", chainFirewall)},
+	{ipt.TableFilter, ipt.ChainOutput, newOnly("-m", "comment", "--comment", "kproxy service portals", "-j", chainServices)},
+}
+
+// baseChains exist before any rule refers to them and are never deleted by
+// a sync (only by Cleanup).
+var baseChains = map[ipt.Table][]string{
+	ipt.TableNAT:    {chainServices, chainNodePorts, chainPostrouting, chainMarkMasq, chainCanary},
+	ipt.TableFilter: {chainServices, chainExternalServices, chainExternalNodePort, chainNodePorts, chainFirewall, chainForward, chainCanary},
+}
+
+// ensureHooks creates the base chains and the jumps into them. Jumps are
+// prepended in reverse so that, when first created, they appear in order.
+func (b *Backend) ensureHooks(ctx context.Context) error {
+	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
+		for _, c := range baseChains[table] {
+			if _, err := b.ipt.EnsureChain(ctx, table, ipt.Chain(c)); err != nil {
+				return fmt.Errorf("ensuring chain %s/%s: %w", table, c, err)
+			}
+		}
+	}
+	for i := len(jumpRules) - 1; i >= 0; i-- {
+		j := jumpRules[i]
+		if _, err := b.ipt.EnsureRule(ctx, ipt.Prepend, j.table, j.chain, j.args...); err != nil {
+			return fmt.Errorf("ensuring jump from %s/%s: %w", j.table, j.chain, err)
+		}
+	}
+	return nil
+}
+
+// canaryIntact reports whether our canary chains still exist.
+func (b *Backend) canaryIntact(ctx context.Context) (bool, error) {
+	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
+		ok, err := b.ipt.ChainExists(ctx, table, chainCanary)
+		if err != nil || !ok {
+			return false, err
+		}
+	}
+	return true, nil
+}
+
+// Sync implements proxier.Backend.
+func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) error {
+	logger := klog.FromContext(ctx)
+	if err := state.Validate(); err != nil {
+		return err
+	}
+	if state.IsIPv6() != b.ipv6 {
+		return fmt.Errorf("iptables backend for %s given %s state", b.ipt.Protocol(), state.Family)
+	}
+	full = full || !b.initialized
+	now := b.clock.Now()
+	if !full && now.Sub(b.lastCanary) >= b.opts.CanaryInterval {
+		ok, err := b.canaryIntact(ctx)
+		if err != nil {
+			return fmt.Errorf("checking canary chain: %w", err)
+		}
+		b.lastCanary = now
+		if !ok {
+			logger.Info("kproxy chains were flushed by someone else; doing a full sync", "family", state.Family)
+			full = true
+		}
+	}
+	err := b.sync(ctx, state, full)
+	if err != nil {
+		b.initialized = false
+		return err
+	}
+	if full {
+		b.initialized = true
+		b.lastCanary = now
+	}
+	return nil
+}
+
+func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, full bool) error {
+	logger := klog.FromContext(ctx)
+	addrs, err := b.localAddrs()
+	if err != nil {
+		return err
+	}
+	r := &renderer{ipv6: b.ipv6, masqueradeAll: b.opts.MasqueradeAll, clusterCIDR: b.opts.ClusterCIDR, nodeIPs: addrs}
+
+	// Render the services this sync concerns.
+	next := make(map[proxy.ServicePortName]*renderedService, len(state.Services))
+	var touched []proxy.ServicePortName
+	if full {
+		for name, st := range state.Services {
+			next[name] = r.render(st)
+		}
+	} else {
+		for name, rs := range b.services {
+			next[name] = rs
+		}
+		for name := range b.services {
+			if state.Changed.Has(name.NamespacedName) {
+				if _, ok := state.Services[name]; !ok {
+					delete(next, name)
+					touched = append(touched, name)
+				}
+			}
+		}
+		for name, st := range state.Services {
+			if _, known := b.services[name]; known && !state.Changed.Has(name.NamespacedName) {
+				continue
+			}
+			next[name] = r.render(st)
+			touched = append(touched, name)
+		}
+	}
+
+	global := b.renderGlobal(next, addrs)
+	plan := newRestorePlan()
+	if full {
+		if err := b.ensureHooks(ctx); err != nil {
+			return err
+		}
+		desired := map[ipt.Table]sets.Set[string]{ipt.TableNAT: sets.New[string](), ipt.TableFilter: sets.New[string]()}
+		for _, name := range sortedNames(next) {
+			var group []plannedChain
+			for _, chain := range sortedChainNames(next[name].natChains) {
+				group = append(group, plannedChain{chain, next[name].natChains[chain]})
+				desired[ipt.TableNAT].Insert(chain)
+			}
+			plan.serviceChains(group)
+		}
+		for table, chains := range global {
+			for chain, rules := range chains {
+				plan.globalChain(table, chain, rules)
+				desired[table].Insert(chain)
+			}
+		}
+		for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
+			existing, err := b.ipt.ListChains(ctx, table)
+			if err != nil {
+				return fmt.Errorf("listing %s chains: %w", table, err)
+			}
+			for _, chain := range existing {
+				if isOwnedChain(chain) && !desired[table].Has(chain) && !isBaseChain(table, chain) {
+					plan.deleteChain(table, chain)
+				}
+			}
+		}
+	} else {
+		for _, name := range touched {
+			old, newer := b.services[name], next[name]
+			if newer != nil {
+				var group []plannedChain
+				for _, chain := range sortedChainNames(newer.natChains) {
+					prev, existed := []string(nil), false
+					if old != nil {
+						prev, existed = old.natChains[chain]
+					}
+					if !existed || !equalRules(prev, newer.natChains[chain]) {
+						group = append(group, plannedChain{chain, newer.natChains[chain]})
+					}
+				}
+				plan.serviceChains(group)
+			}
+			if old != nil {
+				for chain := range old.natChains {
+					if _, kept := newer.natChainsLookup(chain); !kept {
+						plan.deleteChain(ipt.TableNAT, chain)
+					}
+				}
+			}
+		}
+		for table, chains := range global {
+			for chain, rules := range chains {
+				if prev, ok := b.global[table][chain]; !ok || prev != strings.Join(rules, "\n") {
+					plan.globalChain(table, chain, rules)
+				}
+			}
+			for chain := range b.global[table] {
+				if _, ok := chains[chain]; !ok && !isBaseChain(table, chain) {
+					plan.deleteChain(table, chain)
+				}
+			}
+		}
+	}
+
+	stats, err := plan.apply(ctx, b.ipt, b.opts.BatchChains)
+	if err != nil {
+		return err
+	}
+	b.services = next
+	b.global = map[ipt.Table]map[string]string{}
+	for table, chains := range global {
+		b.global[table] = make(map[string]string, len(chains))
+		for chain, rules := range chains {
+			b.global[table][chain] = strings.Join(rules, "\n")
+			if table == ipt.TableNAT {
+				stats.NATRules += len(rules)
+			} else {
+				stats.FilterRules += len(rules)
+			}
+		}
+	}
+	for _, rs := range next {
+		for _, rules := range rs.natChains {
+			stats.NATRules += len(rules)
+		}
+	}
+	stats.Full = full
+	b.last = stats
+	logger.V(2).Info("Synced iptables rules", "family", state.Family, "full", full, "services", len(next),
+		"restores", stats.Restores, "chainsWritten", stats.ChainsWritten, "chainsDeleted", stats.ChainsDeleted,
+		"rulesWritten", stats.RulesWritten, "bytes", stats.Bytes)
+	return nil
+}
+
+func isBaseChain(table ipt.Table, chain string) bool {
+	for _, c := range baseChains[table] {
+		if c == chain {
+			return true
+		}
+	}
+	return false
+}
+
+func equalRules(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func sortedNames(m map[proxy.ServicePortName]*renderedService) []proxy.ServicePortName {
+	names := make([]proxy.ServicePortName, 0, len(m))
+	for n := range m {
+		names = append(names, n)
+	}
+	sort.Slice(names, func(i, j int) bool { return lessName(names[i], names[j]) })
+	return names
+}
+
+func lessName(a, b proxy.ServicePortName) bool {
+	if a.Namespace != b.Namespace {
+		return a.Namespace < b.Namespace
+	}
+	if a.Name != b.Name {
+		return a.Name < b.Name
+	}
+	if a.Port != b.Port {
+		return a.Port < b.Port
+	}
+	return a.Protocol < b.Protocol
+}
+
+func sortedChainNames(m map[string][]string) []string {
+	out := make([]string, 0, len(m))
+	for c := range m {
+		out = append(out, c)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// renderGlobal renders the chains shared by all services from the rendered
+// services.
+func (b *Backend) renderGlobal(services map[proxy.ServicePortName]*renderedService, addrs []netip.Addr) map[ipt.Table]map[string][]string {
+	names := sortedNames(services)
+	var natSvc, natNP, filSvc, filExt []dispatchRule
+	var extNP, firewall, health []string
+	hairpin := map[netip.Addr]bool{}
+	for _, n := range names {
+		rs := services[n]
+		natSvc = append(natSvc, rs.natServices...)
+		natNP = append(natNP, rs.natNodePorts...)
+		filSvc = append(filSvc, rs.filterServices...)
+		filExt = append(filExt, rs.filterExternal...)
+		extNP = append(extNP, rs.filterExtNodePorts...)
+		firewall = append(firewall, rs.filterFirewall...)
+		health = append(health, rs.filterHealthCheck...)
+		for _, ip := range rs.hairpin {
+			hairpin[ip] = true
+		}
+	}
+
+	// Node ports are reached from the end of the service dispatch, for the
+	// selected local addresses.
+	var npTail, extTail []string
+	if b.opts.NodePortAddresses == nil {
+		loop := "127.0.0.0/8"
+		if b.ipv6 {
+			loop = "::1/128"
+		}
+		npTail = []string{comment("kproxy service nodeports; NOTE: this must be the last rule in this chain") +
+			" -m addrtype --dst-type LOCAL ! -d " + loop + " -j " + chainNodePorts}
+		extTail = []string{comment("kproxy node ports without endpoints") + " -m addrtype --dst-type LOCAL -j " + chainExternalNodePort}
+	} else {
+		for _, a := range addrs {
+			for _, p := range b.opts.NodePortAddresses {
+				if p.Contains(a) {
+					npTail = append(npTail, comment("kproxy service nodeports; NOTE: this must be the last rule in this chain")+" -d "+hostAddr(a)+" -j "+chainNodePorts)
+					extTail = append(extTail, comment("kproxy node ports without endpoints")+" -d "+hostAddr(a)+" -j "+chainExternalNodePort)
+					break
+				}
+			}
+		}
+	}
+
+	nat := map[string][]string{}
+	addrTree := addrBucketer{ipv6: b.ipv6}
+	for c, r := range (dispatchTree{root: chainServices, bucketer: addrTree}).render(natSvc, npTail) {
+		nat[c] = r
+	}
+	for c, r := range (dispatchTree{root: chainNodePorts, bucketer: portBucketer{}}).render(natNP, nil) {
+		nat[c] = r
+	}
+	nat[chainMarkMasq] = []string{"-j MARK --or-mark " + b.masqMark}
+	masq := "-j MASQUERADE"
+	if b.ipt.HasRandomFully() {
+		masq += " --random-fully"
+	}
+	var post []string
+	hairpinIPs := make([]netip.Addr, 0, len(hairpin))
+	for ip := range hairpin {
+		hairpinIPs = append(hairpinIPs, ip)
+	}
+	sort.Slice(hairpinIPs, func(i, j int) bool { return hairpinIPs[i].Less(hairpinIPs[j]) })
+	for _, ip := range hairpinIPs {
+		post = append(post, comment("kproxy hairpin: endpoint reaching itself via a service")+
+			" -m conntrack --ctstate DNAT -s "+hostAddr(ip)+" -d "+hostAddr(ip)+" "+masq)
+	}
+	post = append(post,
+		"-m mark ! --mark "+b.masqMark+"/"+b.masqMark+" -j RETURN",
+		"-j MARK --xor-mark "+b.masqMark,
+		comment("kproxy service traffic requiring SNAT")+" "+masq)
+	nat[chainPostrouting] = post
+	nat[chainCanary] = nil
+
+	filter := map[string][]string{}
+	for c, r := range (dispatchTree{root: chainServices, bucketer: addrTree}).render(filSvc, nil) {
+		filter[c] = r
+	}
+	for c, r := range (dispatchTree{root: chainExternalServices, bucketer: addrTree}).render(filExt, extTail) {
+		filter[c] = r
+	}
+	filter[chainExternalNodePort] = extNP
+	filter[chainFirewall] = firewall
+	filter[chainNodePorts] = health
+	filter[chainForward] = []string{
+		comment("kproxy: drop invalid conntrack state") + " -m conntrack --ctstate INVALID -j DROP",
+		comment("kproxy forwarding rules") + " -m mark --mark " + b.masqMark + "/" + b.masqMark + " -j ACCEPT",
+		comment("kproxy forwarding conntrack rule") + " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+	}
+	filter[chainCanary] = nil
+	return map[ipt.Table]map[string][]string{ipt.TableNAT: nat, ipt.TableFilter: filter}
+}
+
+// Cleanup implements proxier.Backend: it removes kproxy's jumps from the
+// built-in chains, then every chain whose name starts with KPROXY-, in nat
+// and filter. Chains and rules of anyone else stay. Running it again
+// changes nothing.
+func (b *Backend) Cleanup(ctx context.Context) error {
+	var errs []error
+	for _, j := range jumpRules {
+		if err := b.ipt.DeleteRule(ctx, j.table, j.chain, j.args...); err != nil {
+			errs = append(errs, fmt.Errorf("deleting jump from %s/%s: %w", j.table, j.chain, err))
+		}
+	}
+	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
+		chains, err := b.ipt.ListChains(ctx, table)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("listing %s chains: %w", table, err))
+			continue
+		}
+		var owned []string
+		for _, c := range chains {
+			if isOwnedChain(c) {
+				owned = append(owned, c)
+			}
+		}
+		if len(owned) == 0 {
+			continue
+		}
+		var buf bytes.Buffer
+		fmt.Fprintf(&buf, "*%s\n", table)
+		for _, c := range owned {
+			fmt.Fprintf(&buf, ":%s - [0:0]\n", c)
+		}
+		for _, c := range owned {
+			fmt.Fprintf(&buf, "-X %s\n", c)
+		}
+		buf.WriteString("COMMIT\n")
+		if err := b.ipt.Restore(ctx, buf.Bytes()); err != nil {
+			errs = append(errs, fmt.Errorf("deleting %d %s chains: %w", len(owned), table, err))
+		}
+	}
+	b.initialized = false
+	b.services = map[proxy.ServicePortName]*renderedService{}
+	b.global = map[ipt.Table]map[string]string{}
+	return errors.Join(errs...)
+}

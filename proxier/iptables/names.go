@@ -1,0 +1,54 @@
+package iptables
+
+import (
+	"crypto/sha256"
+	"encoding/base32"
+	"strings"
+
+	"github.com/kproxy/kproxy/pkg/proxy"
+)
+
+// Every chain kproxy owns starts with chainPrefix, never KUBE-, so kproxy
+// coexists with kube-proxy and cleans up independently of it.
+const chainPrefix = "KPROXY-"
+
+// Chains shared by all services.
+const (
+	// nat
+	chainServices    = "KPROXY-SERVICES"    // dispatch on destination address (nat and filter)
+	chainNodePorts   = "KPROXY-NODEPORTS"   // dispatch on protocol and port (nat); health-check accepts (filter)
+	chainPostrouting = "KPROXY-POSTROUTING" // hairpin and mark-driven masquerade
+	chainMarkMasq    = "KPROXY-MARK-MASQ"
+	chainCanary      = "KPROXY-CANARY" // absent means someone flushed our rules
+	// filter
+	chainExternalServices = "KPROXY-EXTERNAL-SERVICES" // reject/drop for external destinations
+	chainExternalNodePort = "KPROXY-EXT-NODEPORTS"     // reject/drop for node ports
+	chainFirewall         = "KPROXY-FIREWALL"          // loadBalancerSourceRanges drops
+	chainForward          = "KPROXY-FORWARD"
+)
+
+// Per-service-port chain kinds.
+const (
+	kindCluster  = "SVC" // cluster-policy endpoints
+	kindLocal    = "SVL" // local-policy endpoints
+	kindExternal = "EXT" // external-destination handling
+	kindFirewall = "FW"  // loadBalancerSourceRanges
+)
+
+// servicePortChain names a per-service-port chain: the prefix, the kind and
+// 16 base32 characters of a hash of the port name and protocol (27 characters
+// at most; iptables allows 28).
+func servicePortChain(kind string, name proxy.ServicePortName) string {
+	sum := sha256.Sum256([]byte(name.String() + "/" + strings.ToLower(string(name.Protocol))))
+	return chainPrefix + kind + "-" + base32.StdEncoding.EncodeToString(sum[:])[:16]
+}
+
+// recentName is the -m recent list of one endpoint of one service port, for
+// session affinity.
+func recentName(name proxy.ServicePortName, ep *proxy.Endpoint) string {
+	sum := sha256.Sum256([]byte(name.String() + "/" + strings.ToLower(string(name.Protocol)) + "/" + ep.String()))
+	return "KPROXY-AFF-" + base32.StdEncoding.EncodeToString(sum[:])[:16]
+}
+
+// isOwnedChain reports whether chain is one kproxy creates.
+func isOwnedChain(chain string) bool { return strings.HasPrefix(chain, chainPrefix) }
