@@ -185,7 +185,7 @@ var jumpRules = []jumpRule{
 // baseChains exist before any rule refers to them and are never deleted by
 // a sync (only by Cleanup).
 var baseChains = map[ipt.Table][]string{
-	ipt.TableNAT:    {chainServices, chainNodePorts, chainPostrouting, chainMarkMasq, chainCanary},
+	ipt.TableNAT:    {chainServices, chainNodePorts, chainPostrouting, chainMarkMasq, chainHairpin, chainCanary},
 	ipt.TableFilter: {chainServices, chainExternalServices, chainExternalNodePort, chainNodePorts, chainFirewall, chainForward, chainCanary},
 }
 
@@ -498,16 +498,23 @@ func (b *Backend) renderGlobal(services map[proxy.ServicePortName]*renderedServi
 	if b.ipt.HasRandomFully() {
 		masq += " --random-fully"
 	}
-	var post []string
+	// Hairpin: an endpoint that reached itself through a service leaves with
+	// its own address as source and destination; masquerade it. The rules
+	// are keyed on the source address so the walk stays short.
 	hairpinIPs := make([]netip.Addr, 0, len(hairpin))
 	for ip := range hairpin {
 		hairpinIPs = append(hairpinIPs, ip)
 	}
 	sort.Slice(hairpinIPs, func(i, j int) bool { return hairpinIPs[i].Less(hairpinIPs[j]) })
+	hairpinRules := make([]dispatchRule, 0, len(hairpinIPs))
 	for _, ip := range hairpinIPs {
-		post = append(post, comment("kproxy hairpin: endpoint reaching itself via a service")+
-			" -m conntrack --ctstate DNAT -s "+hostAddr(ip)+" -d "+hostAddr(ip)+" "+masq)
+		hairpinRules = append(hairpinRules, dispatchRule{addrBucket(ip), "-s " + hostAddr(ip) + " -d " + hostAddr(ip) + " " + masq})
 	}
+	for c, r := range (dispatchTree{root: chainHairpin, bucketer: addrBucketer{ipv6: b.ipv6, source: true}}).render(hairpinRules, nil) {
+		nat[c] = r
+	}
+	post := []string{comment("kproxy hairpin: endpoints reaching themselves via a service") +
+		" -m conntrack --ctstate DNAT -j " + chainHairpin}
 	post = append(post,
 		"-m mark ! --mark "+b.masqMark+"/"+b.masqMark+" -j RETURN",
 		"-j MARK --xor-mark "+b.masqMark,

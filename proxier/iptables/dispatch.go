@@ -47,7 +47,18 @@ type bucketer interface {
 // addrBucketer dispatches on the low byte of the destination address: level 1
 // on its low four bits, level 2 on the whole byte. iptables accepts
 // non-contiguous masks (-d 0.0.0.5/0.0.0.255), in both families.
-type addrBucketer struct{ ipv6 bool }
+type addrBucketer struct {
+	ipv6 bool
+	// source dispatches on the source address instead.
+	source bool
+}
+
+func (a addrBucketer) flag() string {
+	if a.source {
+		return "-s "
+	}
+	return "-d "
+}
 
 func addrBucket(ip netip.Addr) bucket {
 	s := ip.AsSlice()
@@ -59,15 +70,15 @@ func (a addrBucketer) l1Suffix(l1 int) string { return fmt.Sprintf("%x", l1) }
 func (a addrBucketer) l2Suffix(l2 int) string { return fmt.Sprintf("%02x", l2) }
 func (a addrBucketer) l1Match(l1 int) string {
 	if a.ipv6 {
-		return fmt.Sprintf("-d ::%x/::f", l1)
+		return a.flag() + fmt.Sprintf("::%x/::f", l1)
 	}
-	return fmt.Sprintf("-d 0.0.0.%d/0.0.0.15", l1)
+	return a.flag() + fmt.Sprintf("0.0.0.%d/0.0.0.15", l1)
 }
 func (a addrBucketer) l2Match(l2 int) string {
 	if a.ipv6 {
-		return fmt.Sprintf("-d ::%x/::ff", l2)
+		return a.flag() + fmt.Sprintf("::%x/::ff", l2)
 	}
-	return fmt.Sprintf("-d 0.0.0.%d/0.0.0.255", l2)
+	return a.flag() + fmt.Sprintf("0.0.0.%d/0.0.0.255", l2)
 }
 
 // portBucketer dispatches node ports on protocol and port: level 1 on the

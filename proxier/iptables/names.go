@@ -19,6 +19,7 @@ const (
 	chainNodePorts   = "KPROXY-NODEPORTS"   // dispatch on protocol and port (nat); health-check accepts (filter)
 	chainPostrouting = "KPROXY-POSTROUTING" // hairpin and mark-driven masquerade
 	chainMarkMasq    = "KPROXY-MARK-MASQ"
+	chainHairpin     = "KPROXY-HAIRPIN" // dispatch on source address: endpoints reaching themselves
 	chainCanary      = "KPROXY-CANARY" // absent means someone flushed our rules
 	// filter
 	chainExternalServices = "KPROXY-EXTERNAL-SERVICES" // reject/drop for external destinations
