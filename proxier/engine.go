@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -58,7 +59,10 @@ type EngineOptions struct {
 	// RetryPeriod is the wait before retrying a failed sync; default
 	// MinSyncPeriod, at least one second.
 	RetryPeriod time.Duration
-	// NodeLabels is the shared node-label cache; nil creates one.
+	// NodeLabels is the node-label cache; nil creates one. The engine
+	// learns of label changes from what NodeLabels.Set and Delete report, so
+	// a cache must not be fed node events by two engines (the second would
+	// never see a change): give each engine of a MetaProxier its own.
 	NodeLabels *proxy.NodeLabels
 	// OnSync, when set, is called after every sync attempt.
 	OnSync func(SyncResult)
@@ -82,15 +86,22 @@ type Engine struct {
 	endpointsChanges *proxy.EndpointsChangeTracker
 	nodeLabels       *proxy.NodeLabels
 
-	mu                   sync.Mutex // guards the fields below
-	servicesSynced       bool
-	endpointSlicesSynced bool
-	topologyChanged      bool
-	needFullSync         bool
-	lastFullSync         time.Time
-	svcPortMap           proxy.ServicePortMap
-	endpointsMap         proxy.EndpointsMap
-	states               map[proxy.ServicePortName]*proxy.ServiceState
+	// The informer handlers only touch these atomics, never mu, so that
+	// an event is never held up by a backend sync in progress (on a
+	// dual-stack node one family's sync would otherwise delay the other
+	// family's events, which MetaProxier delivers from the same goroutine).
+	servicesSynced       atomic.Bool
+	endpointSlicesSynced atomic.Bool
+	// topologyChanged is set after a node-label change and consumed by the
+	// next sync, which then rebuilds every service.
+	topologyChanged atomic.Bool
+
+	mu           sync.Mutex // serializes syncs and guards the fields below
+	needFullSync bool
+	lastFullSync time.Time
+	svcPortMap   proxy.ServicePortMap
+	endpointsMap proxy.EndpointsMap
+	states       map[proxy.ServicePortName]*proxy.ServiceState
 }
 
 var _ Proxier = (*Engine)(nil)
@@ -161,10 +172,7 @@ func (e *Engine) requestSync() {
 	if e.opts.OnQueued != nil {
 		e.opts.OnQueued(e.clock.Now())
 	}
-	e.mu.Lock()
-	ready := e.servicesSynced && e.endpointSlicesSynced
-	e.mu.Unlock()
-	if ready {
+	if e.servicesSynced.Load() && e.endpointSlicesSynced.Load() {
 		e.runner.Run()
 	}
 }
@@ -190,9 +198,7 @@ func (e *Engine) OnServiceDelete(service *v1.Service) { e.OnServiceUpdate(servic
 
 // OnServiceSynced implements config.ServiceHandler.
 func (e *Engine) OnServiceSynced() {
-	e.mu.Lock()
-	e.servicesSynced = true
-	e.mu.Unlock()
+	e.servicesSynced.Store(true)
 	e.requestSync()
 }
 
@@ -217,9 +223,7 @@ func (e *Engine) OnEndpointSliceDelete(slice *discovery.EndpointSlice) {
 
 // OnEndpointSlicesSynced implements config.EndpointSliceHandler.
 func (e *Engine) OnEndpointSlicesSynced() {
-	e.mu.Lock()
-	e.endpointSlicesSynced = true
-	e.mu.Unlock()
+	e.endpointSlicesSynced.Store(true)
 	e.requestSync()
 }
 
@@ -245,9 +249,7 @@ func (e *Engine) OnNodeDelete(node *v1.Node) {
 func (e *Engine) OnNodeSynced() {}
 
 func (e *Engine) markTopologyChanged() {
-	e.mu.Lock()
-	e.topologyChanged = true
-	e.mu.Unlock()
+	e.topologyChanged.Store(true)
 	e.requestSync()
 }
 
@@ -259,7 +261,7 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 	ctx = klog.NewContext(ctx, e.logger)
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if !e.servicesSynced || !e.endpointSlicesSynced {
+	if !e.servicesSynced.Load() || !e.endpointSlicesSynced.Load() {
 		e.logger.V(2).Info("Not syncing until Services and EndpointSlices are synced")
 		return nil
 	}
@@ -269,11 +271,12 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 
 	full := e.needFullSync || start.Sub(e.lastFullSync) >= e.opts.FullSyncPeriod
 	changed := svcResult.UpdatedServices.Union(epResult.UpdatedServices)
-	if e.topologyChanged {
+	// The flag is cleared before buildState snapshots the labels: a change
+	// landing in between is either in the snapshot or sets the flag again.
+	if e.topologyChanged.Swap(false) {
 		for name := range e.svcPortMap {
 			changed.Insert(name.NamespacedName)
 		}
-		e.topologyChanged = false
 	}
 	state := e.buildState(changed, full)
 	err := e.backend.Sync(ctx, state, full)

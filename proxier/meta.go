@@ -48,7 +48,9 @@ func (m *MetaProxier) OnServiceUpdate(o, s *v1.Service) {
 }
 
 // OnServiceDelete implements config.ServiceHandler.
-func (m *MetaProxier) OnServiceDelete(s *v1.Service) { m.both(func(p Proxier) { p.OnServiceDelete(s) }) }
+func (m *MetaProxier) OnServiceDelete(s *v1.Service) {
+	m.both(func(p Proxier) { p.OnServiceDelete(s) })
+}
 
 // OnServiceSynced implements config.ServiceHandler.
 func (m *MetaProxier) OnServiceSynced() { m.both(func(p Proxier) { p.OnServiceSynced() }) }
@@ -86,7 +88,9 @@ func (m *MetaProxier) OnEndpointSliceDelete(s *discovery.EndpointSlice) {
 }
 
 // OnEndpointSlicesSynced implements config.EndpointSliceHandler.
-func (m *MetaProxier) OnEndpointSlicesSynced() { m.both(func(p Proxier) { p.OnEndpointSlicesSynced() }) }
+func (m *MetaProxier) OnEndpointSlicesSynced() {
+	m.both(func(p Proxier) { p.OnEndpointSlicesSynced() })
+}
 
 // OnNodeAdd implements config.NodeHandler.
 func (m *MetaProxier) OnNodeAdd(n *v1.Node) { m.both(func(p Proxier) { p.OnNodeAdd(n) }) }

@@ -79,16 +79,6 @@ func NewFake(protocol Protocol) *Fake {
 	return f
 }
 
-func (t *fakeTable) clone() *fakeTable {
-	n := &fakeTable{name: t.name, chains: make(map[Chain]*fakeChain, len(t.chains))}
-	for name, c := range t.chains {
-		cc := *c
-		cc.rules = slices.Clone(c.rules)
-		n.chains[name] = &cc
-	}
-	return n
-}
-
 // chainNames lists built-in chains first (iptables-save order), then user
 // chains sorted by name.
 func (t *fakeTable) chainNames() []Chain {
@@ -101,19 +91,6 @@ func (t *fakeTable) chainNames() []Chain {
 	}
 	slices.Sort(user)
 	return append(names, user...)
-}
-
-// references counts the rules jumping to each chain.
-func (t *fakeTable) references() map[Chain]int {
-	refs := map[Chain]int{}
-	for _, c := range t.chains {
-		for _, r := range c.rules {
-			if r.rule.Target != nil && r.rule.Target.Chain {
-				refs[Chain(r.rule.Target.Name)]++
-			}
-		}
-	}
-	return refs
 }
 
 func (f *Fake) table(table Table) (*fakeTable, error) {
@@ -433,19 +410,97 @@ func (f *Fake) Restore(ctx context.Context, data []byte) error {
 	return nil
 }
 
-// txn is one table's pending changes: a working copy swapped in by commit.
+// txn is one table's pending changes, kept as a copy-on-write overlay on
+// the committed table and applied by commit.
 type txn struct {
-	f    *Fake
-	orig *fakeTable
-	t    *fakeTable
+	f *Fake
+	t *fakeTable
+	// overlay holds chains created or modified in this transaction.
+	overlay map[Chain]*fakeChain
+	// removed holds chains deleted in this transaction (never also in
+	// overlay), with the line of the -X (0 outside Restore).
+	removed map[Chain]int
 	// lines records where rules added in this transaction came from.
 	lines map[*fakeRule]int
-	// deleted records the line of each -X.
-	deleted map[Chain]int
+	// graphChanged is set when a change may break the graph invariants
+	// validate checks (removing rules or flushing never does).
+	graphChanged bool
 }
 
 func (f *Fake) begin(t *fakeTable) *txn {
-	return &txn{f: f, orig: t, t: t.clone(), lines: map[*fakeRule]int{}, deleted: map[Chain]int{}}
+	return &txn{f: f, t: t, overlay: map[Chain]*fakeChain{}, removed: map[Chain]int{}, lines: map[*fakeRule]int{}}
+}
+
+// chain returns the transaction's view of a chain, nil when absent.
+func (tx *txn) chain(name Chain) *fakeChain {
+	if _, ok := tx.removed[name]; ok {
+		return nil
+	}
+	if c, ok := tx.overlay[name]; ok {
+		return c
+	}
+	return tx.t.chains[name]
+}
+
+// writable returns a chain the transaction may modify, nil when absent.
+func (tx *txn) writable(name Chain) *fakeChain {
+	if c, ok := tx.overlay[name]; ok {
+		return c
+	}
+	c := tx.chain(name)
+	if c == nil {
+		return nil
+	}
+	cc := *c
+	cc.rules = slices.Clone(c.rules)
+	tx.overlay[name] = &cc
+	return &cc
+}
+
+func (tx *txn) create(name Chain) {
+	delete(tx.removed, name)
+	tx.overlay[name] = &fakeChain{name: name}
+}
+
+// chains lists the transaction's view of all chains, in no particular order.
+func (tx *txn) chains() []*fakeChain {
+	out := make([]*fakeChain, 0, len(tx.t.chains)+len(tx.overlay))
+	for name, c := range tx.t.chains {
+		if _, ok := tx.overlay[name]; ok {
+			continue
+		}
+		if _, ok := tx.removed[name]; ok {
+			continue
+		}
+		out = append(out, c)
+	}
+	for _, c := range tx.overlay {
+		out = append(out, c)
+	}
+	return out
+}
+
+// sortedChains is chains in iptables-save order.
+func (tx *txn) sortedChains() []*fakeChain {
+	out := tx.chains()
+	order := map[Chain]int{}
+	for i, b := range builtinChains[tx.t.name] {
+		order[b] = i + 1
+	}
+	slices.SortFunc(out, func(a, b *fakeChain) int {
+		oa, ob := order[a.name], order[b.name]
+		if oa == 0 {
+			oa = len(order) + 1
+		}
+		if ob == 0 {
+			ob = len(order) + 1
+		}
+		if oa != ob {
+			return oa - ob
+		}
+		return strings.Compare(string(a.name), string(b.name))
+	})
+	return out
 }
 
 // declare handles ":CHAIN POLICY [packets:bytes]".
@@ -458,11 +513,11 @@ func (tx *txn) declare(decl string) error {
 		return fmt.Errorf("bad counters %q", fields[2])
 	}
 	name, policy := Chain(fields[0]), fields[1]
-	if c, ok := tx.t.chains[name]; ok && c.builtin {
+	if c := tx.chain(name); c != nil && c.builtin {
 		switch policy {
 		case "-":
 		case "ACCEPT", "DROP":
-			c.policy = policy
+			tx.writable(name).policy = policy
 		default:
 			return fmt.Errorf("bad policy %q for built-in chain %s", policy, name)
 		}
@@ -471,16 +526,17 @@ func (tx *txn) declare(decl string) error {
 	if policy != "-" {
 		return fmt.Errorf("cannot set policy %q on user chain %s", policy, name)
 	}
-	if c, ok := tx.t.chains[name]; ok {
+	if c := tx.chain(name); c != nil {
 		// --noflush: declaring an existing user chain flushes it.
-		c.rules = nil
+		if len(c.rules) > 0 {
+			tx.writable(name).rules = nil
+		}
 		return nil
 	}
 	if err := validChainName(tx.t.name, name); err != nil {
 		return err
 	}
-	tx.t.chains[name] = &fakeChain{name: name}
-	delete(tx.deleted, name)
+	tx.create(name)
 	return nil
 }
 
@@ -550,9 +606,9 @@ func (tx *txn) command(line string, n int) error {
 		if len(rest) == 1 {
 			chains = []Chain{Chain(rest[0])}
 		} else {
-			for _, c := range tx.t.chainNames() {
-				if cmd == "-F" || cmd == "--flush" || !tx.t.chains[c].builtin {
-					chains = append(chains, c)
+			for _, c := range tx.sortedChains() {
+				if cmd == "-F" || cmd == "--flush" || !c.builtin {
+					chains = append(chains, c.name)
 				}
 			}
 		}
@@ -576,27 +632,26 @@ func (tx *txn) command(line string, n int) error {
 		if len(rest) > 1 {
 			return fmt.Errorf("%s: unexpected argument %q", cmd, rest[1])
 		}
-		if _, ok := tx.t.chains[chain]; ok {
+		if tx.chain(chain) != nil {
 			return fmt.Errorf("chain %s already exists", chain)
 		}
 		if err := validChainName(tx.t.name, chain); err != nil {
 			return err
 		}
-		tx.t.chains[chain] = &fakeChain{name: chain}
-		delete(tx.deleted, chain)
+		tx.create(chain)
 		return nil
 	case "-P", "--policy":
 		if len(rest) != 2 {
 			return fmt.Errorf("%s needs a chain and a policy", cmd)
 		}
-		c, ok := tx.t.chains[Chain(rest[0])]
-		if !ok || !c.builtin {
+		c := tx.chain(Chain(rest[0]))
+		if c == nil || !c.builtin {
 			return fmt.Errorf("%s: %s is not a built-in chain", cmd, rest[0])
 		}
 		if rest[1] != "ACCEPT" && rest[1] != "DROP" {
 			return fmt.Errorf("bad policy %q", rest[1])
 		}
-		c.policy = rest[1]
+		tx.writable(c.name).policy = rest[1]
 		return nil
 	case "-t", "--table":
 		return fmt.Errorf("the -t option cannot be used in iptables-restore input")
@@ -606,8 +661,8 @@ func (tx *txn) command(line string, n int) error {
 
 // insertRule parses args and puts the rule at index at (-1: append).
 func (tx *txn) insertRule(chain Chain, at int, args []string, line int) error {
-	c, ok := tx.t.chains[chain]
-	if !ok {
+	c := tx.chain(chain)
+	if c == nil {
 		return fmt.Errorf("chain %s does not exist", chain)
 	}
 	r, err := ParseRule(args)
@@ -624,7 +679,11 @@ func (tx *txn) insertRule(chain Chain, at int, args []string, line int) error {
 	if at > len(c.rules) {
 		return fmt.Errorf("index of insertion too big (chain %s has %d rules)", chain, len(c.rules))
 	}
+	c = tx.writable(chain)
 	c.rules = slices.Insert(c.rules, at, fr)
+	if t := r.Target; t != nil && (t.Chain || targetHooks[t.Name] != 0) {
+		tx.graphChanged = true
+	}
 	if line > 0 {
 		tx.lines[fr] = line
 	}
@@ -651,8 +710,8 @@ func (tx *txn) checkRule(c *fakeChain, r *Rule) error {
 		return nil
 	}
 	if t.Chain {
-		target, ok := tx.t.chains[Chain(t.Name)]
-		if !ok {
+		target := tx.chain(Chain(t.Name))
+		if target == nil {
 			return fmt.Errorf("chain %s does not exist (target of %s)", t.Name, jumpFlag(t))
 		}
 		if target.builtin {
@@ -716,7 +775,7 @@ func checkRuleFamily(r *Rule, protocol Protocol) error {
 				return err
 			}
 		}
-		if t.Reject != nil {
+		if t.Reject != nil && t.Reject.With != "" {
 			fam := rejectTypes[t.Reject.With]
 			if err := check("--reject-with "+t.Reject.With, (v6 && fam.v6) || (!v6 && fam.v4)); err != nil {
 				return err
@@ -727,8 +786,8 @@ func checkRuleFamily(r *Rule, protocol Protocol) error {
 }
 
 func (tx *txn) deleteRule(chain Chain, args []string) error {
-	c, ok := tx.t.chains[chain]
-	if !ok {
+	c := tx.chain(chain)
+	if c == nil {
 		return fmt.Errorf("chain %s does not exist", chain)
 	}
 	if len(args) == 1 && args[0] != "" && strings.Trim(args[0], "0123456789") == "" {
@@ -736,6 +795,7 @@ func (tx *txn) deleteRule(chain Chain, args []string) error {
 		if err != nil || pos < 1 || pos > len(c.rules) {
 			return fmt.Errorf("index of deletion too big (chain %s has %d rules)", chain, len(c.rules))
 		}
+		c = tx.writable(chain)
 		c.rules = slices.Delete(c.rules, pos-1, pos)
 		return nil
 	}
@@ -743,32 +803,35 @@ func (tx *txn) deleteRule(chain Chain, args []string) error {
 	if i < 0 {
 		return fmt.Errorf("bad rule (does a matching rule exist in chain %s?)", chain)
 	}
+	c = tx.writable(chain)
 	c.rules = slices.Delete(c.rules, i, i+1)
 	return nil
 }
 
 func (tx *txn) flushChain(chain Chain) error {
-	c, ok := tx.t.chains[chain]
-	if !ok {
+	c := tx.chain(chain)
+	if c == nil {
 		return fmt.Errorf("chain %s does not exist", chain)
 	}
-	c.rules = nil
+	if len(c.rules) > 0 {
+		tx.writable(chain).rules = nil
+	}
 	return nil
 }
 
 // deleteChain removes an empty user chain; references are checked at commit.
 func (tx *txn) deleteChain(chain Chain, line int) error {
-	c, ok := tx.t.chains[chain]
+	c := tx.chain(chain)
 	switch {
-	case !ok:
+	case c == nil:
 		return fmt.Errorf("chain %s does not exist", chain)
 	case c.builtin:
 		return fmt.Errorf("cannot delete built-in chain %s", chain)
 	case len(c.rules) > 0:
 		return fmt.Errorf("chain %s is not empty (%d rules)", chain, len(c.rules))
 	}
-	delete(tx.t.chains, chain)
-	tx.deleted[chain] = line
+	delete(tx.overlay, chain)
+	tx.removed[chain] = line
 	return nil
 }
 
@@ -777,7 +840,12 @@ func (tx *txn) commit() error {
 	if err := tx.validate(); err != nil {
 		return err
 	}
-	tx.f.tables[tx.t.name] = tx.t
+	for name := range tx.removed {
+		delete(tx.t.chains, name)
+	}
+	for name, c := range tx.overlay {
+		tx.t.chains[name] = c
+	}
 	return nil
 }
 
@@ -796,6 +864,8 @@ type hookSet uint8
 var hookBits = map[Chain]hookSet{
 	ChainPrerouting: 1 << 0, ChainInput: 1 << 1, ChainForward: 1 << 2, ChainOutput: 1 << 3, ChainPostrouting: 1 << 4,
 }
+
+const allHooks hookSet = 1<<5 - 1
 
 // targetHooks are the hooks where extension targets may be used.
 var targetHooks = map[string]hookSet{
@@ -819,99 +889,128 @@ func hookNames(h hookSet) string {
 // validate checks what the kernel checks when a table is committed: every
 // jump target exists, chains reachable from built-in chains form no loop and
 // nest at most maxChainDepth deep, and targets are used only from the hooks
-// that allow them.
+// that allow them. A transaction that only removed rules cannot break these
+// and skips the walk.
 func (tx *txn) validate() error {
-	t := tx.t
-	names := t.chainNames()
-	for _, name := range names {
-		for _, r := range t.chains[name].rules {
+	if !tx.graphChanged && len(tx.removed) == 0 {
+		return nil
+	}
+	err := tx.validateOrder(tx.chains())
+	if err != nil {
+		// Report the first error in iptables-save order, not map order.
+		err = tx.validateOrder(tx.sortedChains())
+	}
+	return err
+}
+
+func (tx *txn) validateOrder(chains []*fakeChain) error {
+	idx := make(map[Chain]int32, len(chains))
+	for i, c := range chains {
+		idx[c.name] = int32(i)
+	}
+	// edges[i] are the chains chain i jumps to, in rule order, with the
+	// rule; allowed[i] are the hooks chain i's targets may be used from.
+	type edge struct {
+		to   int32
+		rule *fakeRule
+	}
+	edges := make([][]edge, len(chains))
+	allowed := make([]hookSet, len(chains))
+	for i, c := range chains {
+		allowed[i] = allHooks
+		for _, r := range c.rules {
 			tg := r.rule.Target
-			if tg == nil || !tg.Chain {
+			if tg == nil {
 				continue
 			}
-			if _, ok := t.chains[Chain(tg.Name)]; ok {
+			if !tg.Chain {
+				if h, ok := targetHooks[tg.Name]; ok {
+					allowed[i] &= h
+				}
 				continue
 			}
-			if line, ok := tx.deleted[Chain(tg.Name)]; ok && line > 0 {
-				return &RestoreError{Line: line, Err: fmt.Errorf("chain %s is still referenced by a rule in chain %s", tg.Name, name)}
+			j, ok := idx[Chain(tg.Name)]
+			if !ok {
+				if line, ok := tx.removed[Chain(tg.Name)]; ok {
+					err := fmt.Errorf("chain %s is still referenced by a rule in chain %s", tg.Name, c.name)
+					if line > 0 {
+						return &RestoreError{Line: line, Err: err}
+					}
+					return err
+				}
+				return tx.ruleError(r, fmt.Errorf("chain %s (target of %s in chain %s) does not exist", tg.Name, jumpFlag(tg), c.name))
 			}
-			if _, ok := tx.deleted[Chain(tg.Name)]; ok {
-				return fmt.Errorf("chain %s is still referenced by a rule in chain %s", tg.Name, name)
-			}
-			return tx.ruleError(r, fmt.Errorf("chain %s (target of %s in chain %s) does not exist", tg.Name, jumpFlag(tg), name))
+			edges[i] = append(edges[i], edge{j, r})
 		}
 	}
 
-	// Depth-first walk from each built-in chain: loops, nesting depth and
-	// the set of hooks reaching each chain.
+	// Depth-first walk from each built-in chain: loops and nesting depth.
 	const (
 		white = iota
 		grey
 		black
 	)
-	color := map[Chain]int{}
-	height := map[Chain]int{} // deepest jump chain below a chain
-	var walk func(name Chain) error
-	walk = func(name Chain) error {
-		color[name] = grey
+	color := make([]uint8, len(chains))
+	height := make([]int, len(chains)) // deepest nesting below a chain
+	var walk func(i int32, depth int) error
+	walk = func(i int32, depth int) error {
+		color[i] = grey
 		h := 0
-		for _, r := range t.chains[name].rules {
-			tg := r.rule.Target
-			if tg == nil || !tg.Chain {
-				continue
-			}
-			next := Chain(tg.Name)
-			switch color[next] {
+		for _, e := range edges[i] {
+			switch color[e.to] {
 			case grey:
-				return tx.ruleError(r, fmt.Errorf("jump from %s to %s closes a loop", name, next))
+				return tx.ruleError(e.rule, fmt.Errorf("jump from %s to %s closes a loop", chains[i].name, chains[e.to].name))
 			case white:
-				if err := walk(next); err != nil {
+				if depth+1 > maxChainDepth {
+					return tx.ruleError(e.rule, fmt.Errorf("jump from %s to %s nests chains deeper than the kernel's limit of %d", chains[i].name, chains[e.to].name, maxChainDepth))
+				}
+				if err := walk(e.to, depth+1); err != nil {
 					return err
 				}
 			}
-			h = max(h, height[next]+1)
+			if depth+1+height[e.to] > maxChainDepth {
+				return tx.ruleError(e.rule, fmt.Errorf("jump from %s to %s nests chains deeper than the kernel's limit of %d", chains[i].name, chains[e.to].name, maxChainDepth))
+			}
+			h = max(h, height[e.to]+1)
 		}
-		color[name] = black
-		height[name] = h
+		color[i] = black
+		height[i] = h
 		return nil
 	}
-	hooks := map[Chain]hookSet{}
-	for _, b := range builtinChains[t.name] {
-		if err := walk(b); err != nil {
-			return err
-		}
-		if height[b] > maxChainDepth {
-			return fmt.Errorf("chains below %s nest %d deep, more than the kernel's %d", b, height[b], maxChainDepth)
+	hooks := make([]hookSet, len(chains))
+	for _, b := range builtinChains[tx.t.name] {
+		bi := idx[b]
+		if color[bi] == white {
+			if err := walk(bi, 0); err != nil {
+				return err
+			}
 		}
 		// Mark every chain reachable from b (acyclic now) with b's hook.
-		stack := []Chain{b}
+		stack := []int32{bi}
 		for len(stack) > 0 {
-			c := stack[len(stack)-1]
+			i := stack[len(stack)-1]
 			stack = stack[:len(stack)-1]
-			if hooks[c]&hookBits[b] != 0 {
+			if hooks[i]&hookBits[b] != 0 {
 				continue
 			}
-			hooks[c] |= hookBits[b]
-			for _, r := range t.chains[c].rules {
-				if tg := r.rule.Target; tg != nil && tg.Chain {
-					stack = append(stack, Chain(tg.Name))
-				}
+			hooks[i] |= hookBits[b]
+			for _, e := range edges[i] {
+				stack = append(stack, e.to)
 			}
 		}
 	}
-	for _, name := range names {
-		h := hooks[name]
-		if h == 0 {
+	for i, c := range chains {
+		if hooks[i]&^allowed[i] == 0 {
 			continue
 		}
-		for _, r := range t.chains[name].rules {
+		for _, r := range c.rules {
 			tg := r.rule.Target
-			if tg == nil {
+			if tg == nil || tg.Chain {
 				continue
 			}
-			if allowed, ok := targetHooks[tg.Name]; ok && h&^allowed != 0 {
+			if ok, restricted := targetHooks[tg.Name]; restricted && hooks[i]&^ok != 0 {
 				return tx.ruleError(r, fmt.Errorf("target %s in chain %s is reachable from %s but only valid from %s",
-					tg.Name, name, hookNames(h&^allowed), hookNames(allowed)))
+					tg.Name, c.name, hookNames(hooks[i]&^ok), hookNames(ok)))
 			}
 		}
 	}

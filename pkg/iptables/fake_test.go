@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"slices"
 	"strings"
 	"sync"
@@ -158,6 +159,18 @@ func TestFakeRestore(t *testing.T) {
 			wantErr:  "not empty",
 			wantLine: 2,
 			want:     setupState,
+		},
+		{
+			name:     "delete a chain created and referenced in the same section",
+			input:    []string{"*filter", ":KUBE-C - [0:0]", "-A KUBE-B -j KUBE-C", "-X KUBE-C", "COMMIT"},
+			wantErr:  "still referenced",
+			wantLine: 4,
+			want:     fakeState{"filter/KUBE-C": nil, "filter/KUBE-B": {"-j DROP"}},
+		},
+		{
+			name:  "delete and re-create a chain in one section",
+			input: []string{"*filter", ":KUBE-B - [0:0]", "-X KUBE-B", ":KUBE-B - [0:0]", "-A KUBE-B -j RETURN", "COMMIT"},
+			want:  fakeState{"filter/KUBE-B": {"-j RETURN"}},
 		},
 		{
 			name:    "delete a built-in chain is rejected",
@@ -396,6 +409,13 @@ func TestFakeRestore(t *testing.T) {
 			noSetup:  true,
 			input:    []string{"*filter", "-A INPUT -j REJECT --reject-with icmp-port-unreachable", "COMMIT"},
 			wantErr:  "not an IPv6 value",
+		},
+		{
+			name:     "REJECT without a type in an IPv6 table",
+			protocol: ProtocolIPv6,
+			noSetup:  true,
+			input:    []string{"*filter", "-A INPUT -j REJECT", "COMMIT"},
+			want:     fakeState{"filter/INPUT": {"-j REJECT"}},
 		},
 		{
 			name:     "IPv6 rules in an IPv6 table",
@@ -786,6 +806,15 @@ func FuzzRestore(f *testing.F) {
 			}
 			if resaved := saveAll(t, again); !bytes.Equal(saved, resaved) {
 				t.Fatalf("%s: round trip differs:\n%s\n---\n%s", protocol, saved, resaved)
+			}
+			// Tracing whatever was loaded must not panic (errors are fine).
+			src, dst := mustAddr("10.0.0.5"), mustAddr("10.96.0.5")
+			if protocol == ProtocolIPv6 {
+				src, dst = mustAddr("fd00::5"), mustAddr("fd00:96::5")
+			}
+			for _, origin := range []Origin{OriginExternal, OriginLocal} {
+				_, _ = fk.Trace(Packet{Source: src, Destination: dst, Protocol: "tcp", SourcePort: 1000, DestinationPort: 80, Origin: origin},
+					TraceOptions{LocalAddrs: []netip.Addr{dst}, IPSets: map[string][]string{"S": {"10.96.0.5", "fd00:96::5"}}})
 			}
 		}
 	})

@@ -335,7 +335,10 @@ func (m *MultiportMatch) Contains(sport, dport int) bool {
 }
 
 // CommentMatch is -m comment.
-type CommentMatch struct{ Comment string }
+type CommentMatch struct {
+	Comment string
+	set     bool
+}
 
 func (m *CommentMatch) Module() string { return "comment" }
 
@@ -346,7 +349,7 @@ func (m *CommentMatch) option(opt string, neg bool, next func() (string, error))
 	if neg {
 		return true, fmt.Errorf("--comment cannot be negated")
 	}
-	if m.Comment != "" {
+	if m.set {
 		return true, fmt.Errorf("multiple --comment options")
 	}
 	v, err := next()
@@ -356,15 +359,12 @@ func (m *CommentMatch) option(opt string, neg bool, next func() (string, error))
 	if len(v) > MaxCommentLength {
 		return true, fmt.Errorf("comment is %d bytes, longer than %d", len(v), MaxCommentLength)
 	}
-	if v == "" {
-		return true, fmt.Errorf("empty comment")
-	}
-	m.Comment = v
+	m.Comment, m.set = v, true
 	return true, nil
 }
 
 func (m *CommentMatch) done(*Rule) error {
-	if m.Comment == "" {
+	if !m.set {
 		return fmt.Errorf("comment match needs --comment")
 	}
 	return nil
@@ -472,6 +472,10 @@ func (m *MarkMatch) done(*Rule) error {
 // Matches reports whether mark matches, negation applied.
 func (m *MarkMatch) Matches(mark uint32) bool { return (mark&m.Mask == m.Value) != m.Negate }
 
+var conntrackStates = map[string]bool{
+	"INVALID": true, "NEW": true, "ESTABLISHED": true, "RELATED": true, "UNTRACKED": true, "SNAT": true, "DNAT": true,
+}
+
 // ConntrackMatch is -m conntrack --ctstate (or the older -m state --state).
 type ConntrackMatch struct {
 	ModuleName string // "conntrack" or "state"
@@ -483,11 +487,8 @@ func (m *ConntrackMatch) Module() string { return m.ModuleName }
 
 func (m *ConntrackMatch) option(opt string, neg bool, next func() (string, error)) (bool, error) {
 	want := "--ctstate"
-	valid := map[string]bool{"INVALID": true, "NEW": true, "ESTABLISHED": true, "RELATED": true, "UNTRACKED": true, "SNAT": true, "DNAT": true}
 	if m.ModuleName == "state" {
 		want = "--state"
-		delete(valid, "SNAT")
-		delete(valid, "DNAT")
 	}
 	if opt != want {
 		return false, nil
@@ -500,7 +501,7 @@ func (m *ConntrackMatch) option(opt string, neg bool, next func() (string, error
 		return true, err
 	}
 	for _, s := range strings.Split(v, ",") {
-		if !valid[s] {
+		if !conntrackStates[s] || (m.ModuleName == "state" && (s == "SNAT" || s == "DNAT")) {
 			return true, fmt.Errorf("%s: unknown state %q", opt, s)
 		}
 		m.States = append(m.States, s)
@@ -555,7 +556,7 @@ func (m *StatisticMatch) option(opt string, neg bool, next func() (string, error
 		if m.sawProb {
 			return true, fmt.Errorf("multiple --probability options")
 		}
-		if v == "" || strings.Trim(v, "0123456789.") != "" {
+		if v == "" || strings.Trim(v, "0123456789.eE+-") != "" {
 			return true, fmt.Errorf("--probability: invalid number %q", v)
 		}
 		p, err := strconv.ParseFloat(v, 64)
@@ -803,7 +804,8 @@ type MarkOptions struct{ Value, Mask uint32 }
 // Apply computes the new mark.
 func (m MarkOptions) Apply(mark uint32) uint32 { return (mark &^ m.Mask) ^ m.Value }
 
-// RejectOptions are REJECT's options.
+// RejectOptions are REJECT's options. With is "" when --reject-with was not
+// given (the family's port-unreachable).
 type RejectOptions struct{ With string }
 
 // LogOptions are LOG's options.
@@ -842,7 +844,7 @@ func IsBuiltinTarget(name string) bool {
 	return verdictTargets[name] || extensionTargets[name] || unsupportedTargets[name]
 }
 
-func (t *Target) option(opt string, neg bool, next func() (string, error), r *Rule) (bool, error) {
+func (t *Target) option(opt string, neg bool, next func() (string, error)) (bool, error) {
 	if t.Chain || verdictTargets[t.Name] {
 		return false, nil
 	}
@@ -1030,27 +1032,11 @@ func (t *Target) done(r *Rule) error {
 			return fmt.Errorf("CONNMARK needs an action")
 		}
 	case "REJECT":
-		if t.Reject.With == "" {
-			t.Reject.With = "icmp-port-unreachable"
-			if r.isIPv6() {
-				t.Reject.With = "icmp6-port-unreachable"
-			}
-		}
 		if t.Reject.With == "tcp-reset" && (r.Protocol == nil || r.Protocol.Name != "tcp" || r.Protocol.Negate) {
 			return fmt.Errorf("REJECT --reject-with tcp-reset needs -p tcp")
 		}
 	}
 	return nil
-}
-
-// isIPv6 is a best-effort guess from the addresses in the rule.
-func (r *Rule) isIPv6() bool {
-	for _, m := range []*AddrMatch{r.Source, r.Destination} {
-		if m != nil && m.Addr.Is6() {
-			return true
-		}
-	}
-	return false
 }
 
 type rejectFamilies struct{ v4, v6 bool }
@@ -1167,7 +1153,7 @@ func ParseRule(args []string) (*Rule, error) {
 		handled := false
 		var err error
 		if ctxTarget {
-			handled, err = r.Target.option(opt, neg, next(opt), r)
+			handled, err = r.Target.option(opt, neg, next(opt))
 		} else if ctxMatch != nil {
 			handled, err = ctxMatch.option(opt, neg, next(opt))
 		}

@@ -368,7 +368,7 @@ func TestParseRule(t *testing.T) {
 			name: "REJECT default type",
 			args: []string{"-j", "REJECT"},
 			check: func(t *testing.T, r *Rule) {
-				if r.Target.Reject.With != "icmp-port-unreachable" {
+				if r.Target.Reject.With != "" {
 					t.Errorf("reject = %+v", r.Target.Reject)
 				}
 			},
@@ -482,6 +482,7 @@ func TestParseRuleErrors(t *testing.T) {
 		{name: "statistic without mode", args: []string{"-m", "statistic", "--probability", "0.5"}, want: "needs --mode"},
 		{name: "statistic probability above 1", args: []string{"-m", "statistic", "--mode", "random", "--probability", "1.5"}, want: "between 0 and 1"},
 		{name: "statistic probability not a number", args: []string{"-m", "statistic", "--mode", "random", "--probability", "0x1p-2"}, want: "invalid number"},
+		{name: "statistic probability infinite", args: []string{"-m", "statistic", "--mode", "random", "--probability", "inf"}, want: "invalid number"},
 		{name: "statistic nth packet too big", args: []string{"-m", "statistic", "--mode", "nth", "--every", "2", "--packet", "2"}, want: "--packet must be smaller"},
 		{name: "recent without command", args: []string{"-m", "recent", "--name", "x"}, want: "needs one of"},
 		{name: "recent two commands", args: []string{"-m", "recent", "--set", "--rcheck"}, want: "only one of"},

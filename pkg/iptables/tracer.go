@@ -88,7 +88,7 @@ const (
 	// maxTraceDepth bounds nested jumps; deeper means a loop.
 	maxTraceDepth = 64
 	// maxTraceWorlds bounds the number of simultaneously explored branches.
-	maxTraceWorlds = 1 << 16
+	maxTraceWorlds = 1 << 14
 )
 
 type recentEntry struct {
@@ -130,13 +130,21 @@ type result struct {
 	verdict string
 }
 
-// Trace evaluates the ruleset for p and returns every possible outcome,
-// deduplicated ignoring Path and RulesEvaluated. Order: mangle, nat, filter
-// as netfilter does. Local packets: mangle/nat/filter OUTPUT, then
-// mangle/nat POSTROUTING, then (destination local) mangle/filter INPUT.
-// External packets: mangle/nat PREROUTING, then either mangle/filter/nat
-// INPUT (destination after DNAT is local) or mangle/filter FORWARD and
-// mangle/nat POSTROUTING. Constructs the tracer cannot evaluate are errors.
+// Trace evaluates the ruleset for the first packet of a new connection and
+// returns every possible outcome (both sides of each random statistic
+// match), deduplicated ignoring Path and RulesEvaluated. Chains run in
+// netfilter order:
+//
+//   - OriginLocal: mangle, nat, filter OUTPUT; mangle, nat POSTROUTING; and
+//     when the destination (after DNAT) is local, delivery over lo: mangle
+//     PREROUTING, mangle and filter INPUT (in-interface "lo").
+//   - OriginExternal: mangle, nat PREROUTING; then, when the destination
+//     after DNAT is local, mangle, filter, nat INPUT; otherwise mangle,
+//     filter FORWARD and mangle, nat POSTROUTING.
+//
+// A DROP or REJECT ends the walk. Constructs the tracer cannot evaluate
+// (-o, SNAT, CONNMARK, addrtype other than LOCAL, ...) are errors, as are
+// jumps nesting deeper than maxTraceDepth (a loop).
 func (f *Fake) Trace(p Packet, opts TraceOptions) ([]Outcome, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -297,22 +305,22 @@ func (tr *tracer) chain(st traceState, t *fakeTable, c *fakeChain, depth int) ([
 		if len(worlds) == 0 {
 			break
 		}
-		where := fmt.Sprintf("%s/%s#%d", t.name, c.name, i+1)
+		where := func() string { return string(t.name) + "/" + string(c.name) + "#" + strconv.Itoa(i+1) }
 		var next []traceState
 		for _, w := range worlds {
 			w.evaluated++
 			branches, err := tr.match(w, fr.rule)
 			if err != nil {
-				return nil, fmt.Errorf("%s (%s): %w", where, fr.rule, err)
+				return nil, locate(err, where(), fr.rule)
 			}
 			for _, b := range branches {
 				if !b.matched {
 					next = append(next, b.st)
 					continue
 				}
-				rs, err := tr.target(b.st.withPath(where), t, fr.rule.Target, depth)
+				rs, err := tr.target(b.st.withPath(where()), t, fr.rule.Target, depth)
 				if err != nil {
-					return nil, fmt.Errorf("%s (%s): %w", where, fr.rule, err)
+					return nil, locate(err, where(), fr.rule)
 				}
 				for _, r := range rs {
 					switch r.verdict {
@@ -325,16 +333,52 @@ func (tr *tracer) chain(st traceState, t *fakeTable, c *fakeChain, depth int) ([
 					}
 				}
 			}
+			if len(next)+len(out) > maxTraceWorlds {
+				return nil, locate(fmt.Errorf("more than %d branches", maxTraceWorlds), where(), fr.rule)
+			}
 		}
-		if len(next)+len(out) > maxTraceWorlds {
-			return nil, fmt.Errorf("%s: more than %d branches", where, maxTraceWorlds)
-		}
-		worlds = next
+		worlds = dedupeWorlds(next)
 	}
 	for _, w := range worlds {
 		out = append(out, result{st: w})
 	}
 	return out, nil
+}
+
+// traceError names the rule where tracing failed.
+type traceError struct {
+	where string
+	rule  string
+	err   error
+}
+
+func (e *traceError) Error() string { return fmt.Sprintf("%s (%s): %v", e.where, e.rule, e.err) }
+func (e *traceError) Unwrap() error { return e.err }
+
+// locate attributes err to a rule unless a nested rule already claimed it.
+func locate(err error, where string, r *Rule) error {
+	if _, ok := err.(*traceError); ok {
+		return err
+	}
+	return &traceError{where: where, rule: r.String(), err: err}
+}
+
+// dedupeWorlds drops worlds that differ only in Path and RulesEvaluated
+// (keeping the first), so that branches which converge stop multiplying.
+func dedupeWorlds(worlds []traceState) []traceState {
+	if len(worlds) < 2 {
+		return worlds
+	}
+	seen := make(map[string]bool, len(worlds))
+	out := worlds[:0:0]
+	for _, w := range worlds {
+		key := fmt.Sprintf("%v|%d|%d|%s|%t|%q|%v|%s", w.dst, w.dport, w.mark, w.dnat, w.masquerade, w.recentSet, w.recentAdds, w.inIface)
+		if !seen[key] {
+			seen[key] = true
+			out = append(out, w)
+		}
+	}
+	return out
 }
 
 // target applies a matched rule's target. Verdicts: "" continue with the

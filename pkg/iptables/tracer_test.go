@@ -308,7 +308,7 @@ func TestTraceSmallRulesets(t *testing.T) {
 			want: []string{"ACCEPT dnat=10.1.0.1:80", "ACCEPT dnat=10.1.0.2:80"},
 		},
 		{
-			name: "negated statistic branches too",
+			name:  "negated statistic branches too",
 			rules: []string{"*filter", "-A FORWARD -m statistic --mode random ! --probability 0.5 -j DROP", "COMMIT"},
 			pkt:   pkt4,
 			want:  []string{"ACCEPT", "DROP"},
@@ -319,6 +319,14 @@ func TestTraceSmallRulesets(t *testing.T) {
 				"-A PREROUTING -p tcp -j DNAT --to-destination 10.1.0.1:80", "COMMIT"},
 			pkt:  pkt4,
 			want: []string{"ACCEPT dnat=10.1.0.1:80"},
+		},
+		{
+			name:  "converging branches do not multiply",
+			rules: append(append([]string{"*filter"}, slices.Repeat([]string{"-A FORWARD -m statistic --mode random --probability 0.5"}, 40)...), "COMMIT"),
+			pkt:   pkt4,
+			want:  []string{"ACCEPT"},
+			// 40 rules in filter FORWARD, every world evaluates all.
+			wantEvaluated: 40,
 		},
 		{
 			name: "dispatch on low address bits with a non-contiguous mask",
@@ -397,7 +405,7 @@ func TestTraceSmallRulesets(t *testing.T) {
 			want: []string{"REJECT"},
 		},
 		{
-			name: "multiport and sctp",
+			name:  "multiport and sctp",
 			rules: []string{"*filter", "-A FORWARD -p sctp -m multiport --dports 1:10,80 -j REJECT", "COMMIT"},
 			pkt:   Packet{Source: mustAddr("10.0.0.1"), Destination: mustAddr("10.0.0.2"), Protocol: "sctp", SourcePort: 5, DestinationPort: 80},
 			want:  []string{"REJECT"},
@@ -431,9 +439,9 @@ func TestTraceSmallRulesets(t *testing.T) {
 		{
 			name:     "IPv6 REJECT and address that does not dispatch",
 			protocol: ProtocolIPv6,
-			rules: []string{"*filter", "-A FORWARD -d ::5/::ff -j ACCEPT", "-A FORWARD -p tcp -j REJECT --reject-with tcp-reset", "COMMIT"},
-			pkt:   Packet{Source: mustAddr("fd00:1::1"), Destination: mustAddr("fd00:96::106"), Protocol: "tcp", SourcePort: 5, DestinationPort: 80},
-			want:  []string{"REJECT"},
+			rules:    []string{"*filter", "-A FORWARD -d ::5/::ff -j ACCEPT", "-A FORWARD -p tcp -j REJECT --reject-with tcp-reset", "COMMIT"},
+			pkt:      Packet{Source: mustAddr("fd00:1::1"), Destination: mustAddr("fd00:96::106"), Protocol: "tcp", SourcePort: 5, DestinationPort: 80},
+			want:     []string{"REJECT"},
 		},
 	}
 	for _, tc := range tests {
@@ -479,6 +487,7 @@ func TestTraceErrors(t *testing.T) {
 		{name: "recent hitcount", rules: []string{"*filter", "-A FORWARD -m recent --rcheck --hitcount 2", "COMMIT"}, want: "--hitcount"},
 		{name: "recent remove", rules: []string{"*filter", "-A FORWARD -m recent --remove", "COMMIT"}, want: "--remove"},
 		{name: "DNAT to a port range", rules: []string{"*nat", "-A PREROUTING -p tcp -j DNAT --to-destination 1.2.3.4:80-81", "COMMIT"}, want: "port range"},
+		{name: "too many branches", rules: branchyRules(15), want: "more than 16384 branches"},
 		{name: "packet of the wrong family", pkt: &Packet{Source: mustAddr("fd00::1"), Destination: mustAddr("fd00::2"), Protocol: "tcp", SourcePort: 1, DestinationPort: 1}, want: "not a plain IPv4"},
 		{name: "packet without protocol", pkt: &Packet{Source: mustAddr("10.0.0.1"), Destination: mustAddr("10.0.0.2"), SourcePort: 1, DestinationPort: 1}, want: "protocol"},
 		{name: "packet without port", pkt: &Packet{Source: mustAddr("10.0.0.1"), Destination: mustAddr("10.0.0.2"), Protocol: "udp"}, want: "port 0"},
@@ -498,6 +507,16 @@ func TestTraceErrors(t *testing.T) {
 			}
 		})
 	}
+}
+
+// branchyRules has n random rules each setting a different mark bit: 2^n
+// distinct worlds.
+func branchyRules(n int) []string {
+	rules := []string{"*filter"}
+	for i := range n {
+		rules = append(rules, fmt.Sprintf("-A FORWARD -m statistic --mode random --probability 0.5 -j MARK --or-mark %#x", 1<<i))
+	}
+	return append(rules, "COMMIT")
 }
 
 // TestTraceLoopDetection plants a jump loop the kernel (and Restore) would
@@ -520,4 +539,5 @@ func TestTraceLoopDetection(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "loop") {
 		t.Errorf("Trace = %v, want a loop error", err)
 	}
+	t.Logf("loop error: %v", err)
 }

@@ -43,7 +43,7 @@ type Options struct {
 	LocalAddresses func() ([]netip.Addr, error)
 	// BatchChains bounds the service chains per iptables-restore in a full
 	// sync: iptables-nft's restore time grows with the square of the chains
-	// in one batch. Default 2000.
+	// in one batch. Default 1000.
 	BatchChains int
 	// CanaryInterval is how often a partial sync first checks that our
 	// chains were not flushed by someone else. Default 30s.
@@ -100,7 +100,7 @@ func New(opts Options) (*Backend, error) {
 		return nil, fmt.Errorf("iptables backend: masquerade bit %d out of range 0-31", bit)
 	}
 	if opts.BatchChains <= 0 {
-		opts.BatchChains = 2000
+		opts.BatchChains = 1000
 	}
 	if opts.CanaryInterval <= 0 {
 		opts.CanaryInterval = 30 * time.Second

@@ -206,3 +206,25 @@ func benchOnce(b *testing.B, n int) {
 func natWalk(o ipt.Outcome) int {
 	return o.RulesEvaluated
 }
+
+// BenchmarkPartialSyncCPU measures kproxy's own work in a one-endpoint
+// partial sync (the engine and rendering, with the fake iptables), without
+// iptables-restore.
+func BenchmarkPartialSyncCPU(b *testing.B) {
+	for _, n := range benchSizes() {
+		b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
+			svcs, slices := benchObjects(n)
+			rig := newBenchRig(b, ipt.NewFake(ipt.ProtocolIPv4), svcs, slices)
+			timedSync(b, rig.engine)
+			prev := slices[n-1]
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				sl := prev.DeepCopy()
+				sl.Endpoints[0].Addresses = []string{fmt.Sprintf("10.250.%d.%d", (i>>8)&0xff, i&0xff)}
+				rig.engine.OnEndpointSliceUpdate(prev, sl)
+				prev = sl
+				timedSync(b, rig.engine)
+			}
+		})
+	}
+}

@@ -158,7 +158,7 @@ func TestPartialSyncs(t *testing.T) {
 			},
 			// nat dispatch root and node-port root, filter services and ext-nodeports.
 			wantChains: 4,
-			flows: []pt.Flow{{Name: "reject", Source: "10.244.1.9", Dest: "10.96.0.6", Port: 80, Want: pt.Rejected}},
+			flows:      []pt.Flow{{Name: "reject", Source: "10.244.1.9", Dest: "10.96.0.6", Port: 80, Want: pt.Rejected}},
 		},
 		{
 			name: "no change writes nothing", services: 10,

@@ -49,7 +49,7 @@ func NewOptions() *Options {
 		SyncPeriod:         30 * time.Second,
 		MinSyncPeriod:      time.Second,
 		ConfigSyncPeriod:   15 * time.Minute,
-		IPTablesBatchChain: 2000,
+		IPTablesBatchChain: 1000,
 	}
 }
 

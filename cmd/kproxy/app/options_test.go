@@ -1,0 +1,156 @@
+package app
+
+import (
+	"net/netip"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spf13/pflag"
+	v1 "k8s.io/api/core/v1"
+)
+
+// parseOptions parses args as kproxy's flags over the defaults.
+func parseOptions(t *testing.T, args ...string) *Options {
+	t.Helper()
+	o := NewOptions()
+	fs := pflag.NewFlagSet("kproxy", pflag.ContinueOnError)
+	o.AddFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		t.Fatalf("parsing %v: %v", args, err)
+	}
+	return o
+}
+
+func TestOptionsValidate(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		args []string
+		// wantErrs are substrings the error must hold; none means valid.
+		wantErrs []string
+	}{
+		{name: "defaults"},
+		{name: "empty proxy mode means the default", args: []string{"--proxy-mode="}},
+		{name: "iptables mode", args: []string{"--proxy-mode=iptables"}},
+		{name: "masquerade bit 0", args: []string{"--iptables-masquerade-bit=0"}},
+		{name: "masquerade bit 31", args: []string{"--iptables-masquerade-bit=31"}},
+		{name: "min sync period 0", args: []string{"--iptables-min-sync-period=0"}},
+		{name: "min sync period equal to sync period", args: []string{"--iptables-min-sync-period=10s", "--iptables-sync-period=10s"}},
+		{name: "single-stack cluster CIDR", args: []string{"--cluster-cidr=10.244.0.0/16"}},
+		{name: "dual-stack cluster CIDRs", args: []string{"--cluster-cidr=10.244.0.0/16, fd00:10:244::/56"}},
+		{name: "nodeport addresses", args: []string{"--nodeport-addresses=10.0.0.0/8,fd00::/64", "--nodeport-addresses=192.168.0.0/16"}},
+		{name: "every other flag", args: []string{
+			"--kubeconfig=/k", "--master=https://x", "--hostname-override=n", "--cleanup", "--masquerade-all",
+			"--config-sync-period=1m", "--service-proxy-name=p", "--iptables-restore-batch-chains=10",
+		}},
+
+		{name: "bogus proxy mode", args: []string{"--proxy-mode=bogus"}, wantErrs: []string{`--proxy-mode="bogus"`}},
+		{name: "ipvs proxy mode", args: []string{"--proxy-mode=ipvs"}, wantErrs: []string{"--proxy-mode=ipvs", "not available"}},
+		{name: "masquerade bit -1", args: []string{"--iptables-masquerade-bit=-1"}, wantErrs: []string{"--iptables-masquerade-bit=-1", "[0, 31]"}},
+		{name: "masquerade bit 32", args: []string{"--iptables-masquerade-bit=32"}, wantErrs: []string{"--iptables-masquerade-bit=32"}},
+		{name: "sync period 0", args: []string{"--iptables-sync-period=0"}, wantErrs: []string{"--iptables-sync-period=0s"}},
+		{name: "negative sync period", args: []string{"--iptables-sync-period=-1s"}, wantErrs: []string{"--iptables-sync-period=-1s"}},
+		{name: "negative min sync period", args: []string{"--iptables-min-sync-period=-1s"}, wantErrs: []string{"--iptables-min-sync-period=-1s"}},
+		{
+			name:     "min sync period above sync period",
+			args:     []string{"--iptables-min-sync-period=1m", "--iptables-sync-period=30s"},
+			wantErrs: []string{"--iptables-min-sync-period=1m0s must not exceed --iptables-sync-period=30s"},
+		},
+		{name: "cluster CIDR without a length", args: []string{"--cluster-cidr=10.244.0.0"}, wantErrs: []string{"--cluster-cidr", `"10.244.0.0"`}},
+		{name: "cluster CIDR garbage", args: []string{"--cluster-cidr=pods"}, wantErrs: []string{"--cluster-cidr", `"pods"`}},
+		{name: "cluster CIDR with an empty entry", args: []string{"--cluster-cidr=10.244.0.0/16,"}, wantErrs: []string{"--cluster-cidr"}},
+		{name: "two IPv4 cluster CIDRs", args: []string{"--cluster-cidr=10.244.0.0/16,10.245.0.0/16"}, wantErrs: []string{"--cluster-cidr", "more than one IPv4"}},
+		{name: "two IPv6 cluster CIDRs", args: []string{"--cluster-cidr=fd00::/64,fd01::/64"}, wantErrs: []string{"--cluster-cidr", "more than one IPv6"}},
+		{name: "nodeport address without a length", args: []string{"--nodeport-addresses=10.0.0.1"}, wantErrs: []string{"--nodeport-addresses", `"10.0.0.1"`}},
+		{name: "nodeport address garbage", args: []string{"--nodeport-addresses=10.0.0.0/8,primary-ish"}, wantErrs: []string{"--nodeport-addresses", `"primary-ish"`}},
+		{name: "config sync period 0", args: []string{"--config-sync-period=0"}, wantErrs: []string{"--config-sync-period=0s"}},
+		{name: "batch chains 0", args: []string{"--iptables-restore-batch-chains=0"}, wantErrs: []string{"--iptables-restore-batch-chains=0"}},
+		{
+			name: "every problem is reported at once",
+			args: []string{"--proxy-mode=bogus", "--iptables-masquerade-bit=40", "--iptables-sync-period=0", "--config-sync-period=0", "--cluster-cidr=x", "--nodeport-addresses=y"},
+			wantErrs: []string{
+				"--proxy-mode", "--iptables-masquerade-bit=40", "--iptables-sync-period=0s", "--config-sync-period=0s",
+				"--cluster-cidr", "--nodeport-addresses",
+			},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := parseOptions(t, tc.args...).Validate()
+			if len(tc.wantErrs) == 0 {
+				if err != nil {
+					t.Fatalf("Validate() = %v, want no error", err)
+				}
+				return
+			}
+			if err == nil {
+				t.Fatalf("Validate() accepted %v", tc.args)
+			}
+			for _, want := range tc.wantErrs {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("Validate() = %q, want it to mention %q", err, want)
+				}
+			}
+		})
+	}
+}
+
+func TestNewOptionsDefaults(t *testing.T) {
+	got := parseOptions(t)
+	want := &Options{
+		ProxyMode: ModeIPTables, MasqueradeBit: 14, SyncPeriod: 30 * time.Second, MinSyncPeriod: time.Second,
+		ConfigSyncPeriod: 15 * time.Minute, IPTablesBatchChain: 1000,
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("defaults = %+v, want kube-proxy's %+v", got, want)
+	}
+	if err := got.Validate(); err != nil {
+		t.Errorf("defaults do not validate: %v", err)
+	}
+}
+
+func TestClusterCIDRs(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		value string
+		want  map[v1.IPFamily]netip.Prefix
+	}{
+		{name: "unset", value: "", want: map[v1.IPFamily]netip.Prefix{}},
+		{name: "blank", value: "  ", want: map[v1.IPFamily]netip.Prefix{}},
+		{name: "IPv4 with host bits is masked", value: "10.244.1.7/16", want: map[v1.IPFamily]netip.Prefix{
+			v1.IPv4Protocol: netip.MustParsePrefix("10.244.0.0/16"),
+		}},
+		{name: "dual-stack, v6 first, spaces", value: " fd00:10:244::/56 , 10.244.0.0/16 ", want: map[v1.IPFamily]netip.Prefix{
+			v1.IPv4Protocol: netip.MustParsePrefix("10.244.0.0/16"),
+			v1.IPv6Protocol: netip.MustParsePrefix("fd00:10:244::/56"),
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			o := NewOptions()
+			o.ClusterCIDR = tc.value
+			got, err := o.clusterCIDRs()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got, tc.want) {
+				t.Errorf("clusterCIDRs() = %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestNodePortPrefixes(t *testing.T) {
+	o := NewOptions()
+	o.NodePortAddresses = []string{"10.0.0.5/8", " ", "fd00::1/64", "192.168.1.0/24"}
+	got, err := o.nodePortPrefixes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[v1.IPFamily][]netip.Prefix{
+		v1.IPv4Protocol: {netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("192.168.1.0/24")},
+		v1.IPv6Protocol: {netip.MustParsePrefix("fd00::/64")},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("nodePortPrefixes() = %v, want %v", got, want)
+	}
+}
