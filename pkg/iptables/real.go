@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -12,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	goiptables "github.com/coreos/go-iptables/iptables"
 	"k8s.io/klog/v2"
 )
 
@@ -23,7 +25,8 @@ type Options struct {
 	Protocol Protocol
 	// NetNS, when set, runs every command inside that named network
 	// namespace (`ip netns exec NAME ...`); for tests and tools. Empty means
-	// the current namespace.
+	// the current namespace. The Real then owns a temporary directory that
+	// Close removes.
 	NetNS string
 	// WaitSeconds is how long a command waits for the xtables lock (-w).
 	// Zero means 5.
@@ -32,22 +35,26 @@ type Options struct {
 
 const defaultWaitSeconds = 5
 
-// Real is the Interface implementation that runs the iptables binaries. It
-// holds no mutable state after New, so it is safe for concurrent use.
+// Real is the Interface implementation for a real kernel. Single-rule and
+// chain operations, and the version and feature probes, go through
+// go-iptables; bulk changes and dumps run iptables-restore and iptables-save.
+// It holds no mutable state after New, so it is safe for concurrent use.
 type Real struct {
 	protocol Protocol
 	netns    string
 
+	ipt *goiptables.IPTables
+
 	ipPath      string // `ip`, only with netns
-	mainPath    string // iptables / ip6tables
 	restorePath string
 	savePath    string
+	// wrapperDir holds the script go-iptables runs in place of iptables when
+	// netns is set; empty otherwise.
+	wrapperDir string
 
 	version     string // e.g. "1.8.9"
 	mode        string // "nft" or "legacy"
-	mainWait    []string
 	restoreWait []string
-	randomFully bool
 }
 
 var _ Interface = (*Real)(nil)
@@ -102,18 +109,22 @@ func parseIptablesVersion(out string) (iptablesVersion, error) {
 }
 
 // New finds the binaries for opts.Protocol, probes their version and returns
-// an Interface that runs them (inside opts.NetNS when set).
+// an Interface that runs them (inside opts.NetNS when set). With NetNS the
+// caller must Close the result.
 func New(ctx context.Context, opts Options) (Interface, error) {
 	r := &Real{protocol: opts.Protocol, netns: opts.NetNS}
 	if r.protocol == "" {
 		r.protocol = ProtocolIPv4
 	}
-	var base string
+	var (
+		base   string
+		family goiptables.Protocol
+	)
 	switch r.protocol {
 	case ProtocolIPv4:
-		base = "iptables"
+		base, family = "iptables", goiptables.ProtocolIPv4
 	case ProtocolIPv6:
-		base = "ip6tables"
+		base, family = "ip6tables", goiptables.ProtocolIPv6
 	default:
 		return nil, fmt.Errorf("unknown iptables protocol %q", opts.Protocol)
 	}
@@ -122,13 +133,14 @@ func New(ctx context.Context, opts Options) (Interface, error) {
 		wait = defaultWaitSeconds
 	}
 
+	var mainPath string
 	for _, b := range []struct {
 		dst  *string
 		name string
 		skip bool
 	}{
 		{&r.ipPath, "ip", r.netns == ""},
-		{&r.mainPath, base, false},
+		{&mainPath, base, false},
 		{&r.restorePath, base + "-restore", false},
 		{&r.savePath, base + "-save", false},
 	} {
@@ -142,31 +154,77 @@ func New(ctx context.Context, opts Options) (Interface, error) {
 		*b.dst = p
 	}
 
-	out, err := r.run(ctx, nil, r.mainPath, "--version")
+	// go-iptables parses the backend but does not expose it, so the mode
+	// comes from a probe of our own. It runs before go-iptables' probe
+	// because its error carries stderr (for example a missing namespace).
+	out, err := r.run(ctx, nil, mainPath, "--version")
 	if err != nil {
 		return nil, fmt.Errorf("probing %s version: %w", base, err)
 	}
-	v, err := parseIptablesVersion(string(out))
+	probed, err := parseIptablesVersion(string(out))
 	if err != nil {
 		return nil, fmt.Errorf("probing %s version: %w", base, err)
 	}
+
+	gipPath := mainPath
+	if r.netns != "" {
+		if gipPath, err = r.writeNetNSWrapper(base, mainPath); err != nil {
+			return nil, err
+		}
+	}
+	r.ipt, err = goiptables.New(goiptables.IPFamily(family), goiptables.Timeout(wait), goiptables.Path(gipPath))
+	if err != nil {
+		closeErr := r.Close()
+		return nil, errors.Join(fmt.Errorf("initialising go-iptables for %s: %w", gipPath, err), closeErr)
+	}
+	major, minor, patch := r.ipt.GetIptablesVersion()
+	v := iptablesVersion{major: major, minor: minor, patch: patch, mode: probed.mode}
 	r.version = v.String()
 	r.mode = v.mode
-	// -w with a timeout in seconds exists since 1.4.22 for iptables and since
-	// 1.6.2 for iptables-restore; --random-fully since 1.6.2.
-	ws := strconv.Itoa(wait)
-	switch {
-	case v.atLeast(1, 4, 22):
-		r.mainWait = []string{"-w", ws}
-	case v.atLeast(1, 4, 20):
-		r.mainWait = []string{"-w"}
-	}
+	// iptables-restore takes -w with a timeout in seconds since 1.6.2.
 	if v.atLeast(1, 6, 2) {
-		r.restoreWait = []string{"-w", ws}
-		r.randomFully = true
+		r.restoreWait = []string{"-w", strconv.Itoa(wait)}
 	}
-	klog.FromContext(ctx).V(2).Info("Found iptables", "protocol", r.protocol, "version", r.version, "mode", r.mode, "netns", r.netns)
+	klog.FromContext(ctx).V(2).Info("Found iptables", "protocol", r.protocol, "version", r.version, "mode", r.mode, "netns", r.netns, "path", gipPath)
 	return r, nil
+}
+
+// writeNetNSWrapper writes, into a fresh private directory recorded in
+// r.wrapperDir, an executable named base that runs mainPath inside r.netns.
+// go-iptables runs it in place of iptables, for operations and for its
+// `--version` probe (it derives nothing else from the path). It returns the
+// script's path.
+func (r *Real) writeNetNSWrapper(base, mainPath string) (string, error) {
+	dir, err := os.MkdirTemp("", "kproxy-iptables-*")
+	if err != nil {
+		return "", fmt.Errorf("creating the %s wrapper for netns %s: %w", base, r.netns, err)
+	}
+	r.wrapperDir = dir
+	script := fmt.Sprintf("#!/bin/sh\nexec %s netns exec %s %s \"$@\"\n",
+		shellQuote(r.ipPath), shellQuote(r.netns), shellQuote(mainPath))
+	path := filepath.Join(dir, base)
+	if err := os.WriteFile(path, []byte(script), 0o700); err != nil {
+		return "", errors.Join(fmt.Errorf("writing the %s wrapper for netns %s: %w", base, r.netns, err), r.Close())
+	}
+	return path, nil
+}
+
+// shellQuote quotes s as one POSIX shell word.
+func shellQuote(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// Close removes the temporary directory New made for Options.NetNS; single
+// rule and chain operations fail afterwards. Without NetNS it does nothing.
+// It may be called more than once.
+func (r *Real) Close() error {
+	if r.wrapperDir == "" {
+		return nil
+	}
+	if err := os.RemoveAll(r.wrapperDir); err != nil {
+		return fmt.Errorf("removing the iptables wrapper directory: %w", err)
+	}
+	return nil
 }
 
 // Version is the iptables version, e.g. "1.8.9".
@@ -179,15 +237,17 @@ func (r *Real) Mode() string { return r.mode }
 func (r *Real) Protocol() Protocol { return r.protocol }
 
 // HasRandomFully implements Interface.
-func (r *Real) HasRandomFully() bool { return r.randomFully }
+func (r *Real) HasRandomFully() bool { return r.ipt.HasRandomFully() }
 
 // EnsureChain implements Interface.
 func (r *Real) EnsureChain(ctx context.Context, table Table, chain Chain) (bool, error) {
-	err := r.iptables(ctx, table, "-N", string(chain))
+	err := r.call(ctx, "NewChain", table, chain, nil, func() error {
+		return r.ipt.NewChain(string(table), string(chain))
+	})
 	if err == nil {
 		return false, nil
 	}
-	if execExitCode(err) == 1 && execStderrContains(err, "already exists") {
+	if exitStatus(err) == 1 && strings.Contains(err.Error(), "already exists") {
 		return true, nil
 	}
 	return false, fmt.Errorf("creating chain %s in table %s: %w", chain, table, err)
@@ -195,32 +255,26 @@ func (r *Real) EnsureChain(ctx context.Context, table Table, chain Chain) (bool,
 
 // ChainExists implements Interface.
 func (r *Real) ChainExists(ctx context.Context, table Table, chain Chain) (bool, error) {
-	// Listing only the first rule keeps this cheap for long chains; a chain
-	// without rules still succeeds.
-	err := r.iptables(ctx, table, "-S", string(chain), "1")
-	switch {
-	case err == nil:
-		return true, nil
-	case execExitCode(err) == 1:
-		return false, nil
-	default:
+	var exists bool
+	err := r.call(ctx, "ChainExists", table, chain, nil, func() (err error) {
+		exists, err = r.ipt.ChainExists(string(table), string(chain))
+		return err
+	})
+	if err != nil {
 		return false, fmt.Errorf("checking chain %s in table %s: %w", chain, table, err)
 	}
+	return exists, nil
 }
 
 // ListChains implements Interface.
 func (r *Real) ListChains(ctx context.Context, table Table) ([]string, error) {
-	out, err := r.SaveInto(ctx, table)
-	if err != nil {
-		return nil, err
-	}
 	var chains []string
-	for line := range strings.Lines(string(out)) {
-		if name, ok := strings.CutPrefix(line, ":"); ok {
-			if f := strings.Fields(name); len(f) > 0 {
-				chains = append(chains, f[0])
-			}
-		}
+	err := r.call(ctx, "ListChains", table, "", nil, func() (err error) {
+		chains, err = r.ipt.ListChains(string(table))
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("listing chains in table %s: %w", table, err)
 	}
 	return chains, nil
 }
@@ -230,14 +284,24 @@ func (r *Real) EnsureRule(ctx context.Context, position RulePosition, table Tabl
 	if position != Prepend && position != Append {
 		return false, fmt.Errorf("unknown rule position %q", position)
 	}
-	err := r.iptables(ctx, table, append([]string{"-C", string(chain)}, args...)...)
+	var exists bool
+	err := r.call(ctx, "Exists", table, chain, args, func() (err error) {
+		exists, err = r.ipt.Exists(string(table), string(chain), args...)
+		return err
+	})
 	switch {
-	case err == nil:
-		return true, nil
-	case execExitCode(err) != 1:
+	case err != nil:
 		return false, fmt.Errorf("checking rule in %s/%s: %w", table, chain, err)
+	case exists:
+		return true, nil
 	}
-	if err := r.iptables(ctx, table, append([]string{string(position), string(chain)}, args...)...); err != nil {
+	err = r.call(ctx, string(position), table, chain, args, func() error {
+		if position == Prepend {
+			return r.ipt.Insert(string(table), string(chain), 1, args...)
+		}
+		return r.ipt.Append(string(table), string(chain), args...)
+	})
+	if err != nil {
 		return false, fmt.Errorf("adding rule to %s/%s: %w", table, chain, err)
 	}
 	return false, nil
@@ -246,30 +310,111 @@ func (r *Real) EnsureRule(ctx context.Context, position RulePosition, table Tabl
 // DeleteRule implements Interface. A rule is also absent when its chain or
 // its jump target does not exist.
 func (r *Real) DeleteRule(ctx context.Context, table Table, chain Chain, args ...string) error {
-	err := r.iptables(ctx, table, append([]string{"-D", string(chain)}, args...)...)
+	err := r.call(ctx, "DeleteIfExists", table, chain, args, func() error {
+		return r.ipt.DeleteIfExists(string(table), string(chain), args...)
+	})
 	if err == nil || isNotExistError(err) {
 		return nil
 	}
 	return fmt.Errorf("deleting rule from %s/%s: %w", table, chain, err)
 }
 
-// FlushChain implements Interface.
+// FlushChain implements Interface. go-iptables' ClearChain creates a missing
+// chain, so an absent chain is detected first and left absent. A chain
+// deleted by someone else between the two steps is recreated empty.
 func (r *Real) FlushChain(ctx context.Context, table Table, chain Chain) error {
-	err := r.iptables(ctx, table, "-F", string(chain))
-	if err == nil || isNotExistError(err) {
-		return nil
+	exists, err := r.ChainExists(ctx, table, chain)
+	if err != nil || !exists {
+		return err
 	}
-	return fmt.Errorf("flushing chain %s in table %s: %w", chain, table, err)
+	err = r.call(ctx, "ClearChain", table, chain, nil, func() error {
+		return r.ipt.ClearChain(string(table), string(chain))
+	})
+	if err != nil {
+		return fmt.Errorf("flushing chain %s in table %s: %w", chain, table, err)
+	}
+	return nil
 }
 
 // DeleteChain implements Interface.
 func (r *Real) DeleteChain(ctx context.Context, table Table, chain Chain) error {
-	err := r.iptables(ctx, table, "-X", string(chain))
+	err := r.call(ctx, "DeleteChain", table, chain, nil, func() error {
+		return r.ipt.DeleteChain(string(table), string(chain))
+	})
 	if err == nil || isNotExistError(err) {
 		return nil
 	}
 	return fmt.Errorf("deleting chain %s in table %s: %w", chain, table, err)
 }
+
+// call runs one go-iptables operation, which takes no context: a context
+// already done fails it without running anything; the lock wait is bounded by
+// Options.WaitSeconds instead.
+func (r *Real) call(ctx context.Context, op string, table Table, chain Chain, args []string, f func() error) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	start := time.Now()
+	err := f()
+	if ge, ok := errors.AsType[*goiptables.Error](err); ok {
+		err = &opError{err: ge}
+	}
+	if logger := klog.FromContext(ctx); logger.V(4).Enabled() {
+		kv := []any{"op", op, "protocol", r.protocol, "table", table, "duration", time.Since(start)}
+		if chain != "" {
+			kv = append(kv, "chain", chain)
+		}
+		if len(args) > 0 {
+			kv = append(kv, "args", strings.Join(args, " "))
+		}
+		if r.netns != "" {
+			kv = append(kv, "netns", r.netns)
+		}
+		if err != nil {
+			kv = append(kv, "err", err)
+		}
+		logger.V(4).Info("Ran iptables operation", kv...)
+	}
+	return err
+}
+
+// exitStatus is the exit status of a failed go-iptables command, or -1 when
+// err is not one.
+func exitStatus(err error) int {
+	var ge *goiptables.Error
+	if errors.As(err, &ge) {
+		return ge.ExitStatus()
+	}
+	return -1
+}
+
+// isNotExistError reports whether err is iptables saying the rule, the chain
+// or a jump target is absent. Exit status 1 is a failed operation, 2 a
+// parameter problem (a missing jump target); other statuses (3: missing
+// table, 4: resources) are real errors even when their message matches.
+func isNotExistError(err error) bool {
+	var ge *goiptables.Error
+	if !errors.As(err, &ge) {
+		return false
+	}
+	if c := ge.ExitStatus(); c != 1 && c != 2 {
+		return false
+	}
+	// go-iptables also counts "No such file or directory" from a match
+	// extension that cannot be loaded; that is a broken rule, not an absent
+	// one.
+	return ge.IsNotExist() && !strings.Contains(ge.Error(), "Couldn't load match")
+}
+
+// opError is a failed go-iptables command, printed on one line without
+// iptables' usage hint; it unwraps to the *goiptables.Error.
+type opError struct {
+	err *goiptables.Error
+}
+
+func (e *opError) Error() string { return summarizeLines(e.err.Error()) }
+
+func (e *opError) Unwrap() error { return e.err }
 
 // Restore implements Interface. On failure the error carries
 // iptables-restore's message and, when it names a line, that input line.
@@ -295,16 +440,6 @@ func (r *Real) SaveInto(ctx context.Context, table Table) ([]byte, error) {
 		return nil, fmt.Errorf("saving table %s: %w", table, err)
 	}
 	return out, nil
-}
-
-// iptables runs the main binary with the wait flag against table.
-func (r *Real) iptables(ctx context.Context, table Table, args ...string) error {
-	full := make([]string, 0, len(r.mainWait)+2+len(args))
-	full = append(full, r.mainWait...)
-	full = append(full, "-t", string(table))
-	full = append(full, args...)
-	_, err := r.run(ctx, nil, r.mainPath, full...)
-	return err
 }
 
 // run executes bin (inside the namespace when one is set), feeding stdin,
@@ -348,33 +483,28 @@ type execError struct {
 }
 
 func (e *execError) Error() string {
+	s := fmt.Sprintf("%s: %v", strings.Join(e.args, " "), e.err)
+	if msg := summarizeLines(e.stderr); msg != "" {
+		s += ": " + msg
+	}
+	return s
+}
+
+// summarizeLines joins the lines of iptables output with "; ", dropping
+// empty lines and the generic usage hint.
+func summarizeLines(text string) string {
 	var lines []string
-	for l := range strings.Lines(e.stderr) {
+	for l := range strings.Lines(text) {
 		l = strings.TrimSpace(l)
-		// Drop empty lines and the generic usage hint.
 		if l == "" || strings.HasPrefix(l, "Try `") {
 			continue
 		}
 		lines = append(lines, l)
 	}
-	s := fmt.Sprintf("%s: %v", strings.Join(e.args, " "), e.err)
-	if len(lines) > 0 {
-		s += ": " + strings.Join(lines, "; ")
-	}
-	return s
+	return strings.Join(lines, "; ")
 }
 
 func (e *execError) Unwrap() error { return e.err }
-
-// exitCode is the exit status of a failed command, or -1 when it did not run
-// to an exit.
-func execExitCode(err error) int {
-	var ee *exec.ExitError
-	if errors.As(err, &ee) {
-		return ee.ExitCode()
-	}
-	return -1
-}
 
 func execStderr(err error) string {
 	var ce *execError
@@ -382,35 +512,6 @@ func execStderr(err error) string {
 		return ce.stderr
 	}
 	return ""
-}
-
-func execStderrContains(err error, s string) bool {
-	return strings.Contains(execStderr(err), s)
-}
-
-// notExistStderr are what iptables (legacy and nft) prints when the rule,
-// the chain or a jump target does not exist.
-var notExistStderr = []string{
-	"Bad rule (does a matching rule exist in that chain?)",
-	"No chain/target/match by that name",
-	"does not exist",       // nft: "Chain 'X' does not exist"
-	"Couldn't load target", // legacy: jump to a missing chain
-}
-
-// isNotExist reports whether err is iptables saying the object is absent.
-// Exit status 1 is a failed operation, 2 a parameter problem (a missing jump
-// target); other statuses (3: missing table, 4: resources) are real errors.
-func isNotExistError(err error) bool {
-	if c := execExitCode(err); c != 1 && c != 2 {
-		return false
-	}
-	stderr := execStderr(err)
-	for _, m := range notExistStderr {
-		if strings.Contains(stderr, m) {
-			return true
-		}
-	}
-	return false
 }
 
 // restoreLineRE matches the ways iptables-restore names an input line:

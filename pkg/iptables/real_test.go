@@ -130,7 +130,13 @@ func newRealInNS(t *testing.T, family realFamily) (*Real, *netnstest.NS) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return ipt.(*Real), ns
+	r := ipt.(*Real)
+	t.Cleanup(func() {
+		if err := r.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	return r, ns
 }
 
 // realSave dumps table without the timestamped comment lines.
@@ -217,6 +223,9 @@ func TestRealNewErrors(t *testing.T) {
 		{name: "missing iptables-restore", path: partial, want: "iptables-restore is required"},
 		{name: "missing ip6tables", opts: Options{Protocol: ProtocolIPv6}, path: partial, want: "ip6tables is required"},
 	}
+	// A failed New leaves no wrapper directory behind.
+	tmp := t.TempDir()
+	t.Setenv("TMPDIR", tmp)
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			if tc.path != "" {
@@ -225,6 +234,153 @@ func TestRealNewErrors(t *testing.T) {
 			_, err := New(t.Context(), tc.opts)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("New = %v, want an error containing %q", err, tc.want)
+			}
+			if left := realDirEntries(t, tmp); len(left) != 0 {
+				t.Errorf("failed New left %q in TMPDIR", left)
+			}
+		})
+	}
+}
+
+// realDirEntries lists the names in dir.
+func realDirEntries(t *testing.T, dir string) []string {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range entries {
+		names = append(names, e.Name())
+	}
+	return names
+}
+
+func TestRealShellQuote(t *testing.T) {
+	cases := []struct {
+		name string
+		in   string
+	}{
+		{name: "plain", in: "kpt-ipt-0a1b2c3d"},
+		{name: "empty", in: ""},
+		{name: "spaces", in: "a b  c"},
+		{name: "single quotes", in: "it's 'quoted'"},
+		{name: "shell syntax", in: `$HOME "x" \ ; $(false) * ~`},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			out, err := exec.Command("/bin/sh", "-c", "printf %s "+shellQuote(tc.in)).Output()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(out) != tc.in {
+				t.Errorf("sh read %q back as %q", tc.in, out)
+			}
+		})
+	}
+}
+
+// TestRealNetNSWrapper checks the go-iptables path through the namespace
+// wrapper: rules land in the namespace and not in the host, and Close
+// removes the wrapper directory.
+func TestRealNetNSWrapper(t *testing.T) {
+	netnstest.RequireRoot(t)
+	for _, family := range realFamilies {
+		t.Run(family.name, func(t *testing.T) {
+			tmp := t.TempDir()
+			t.Setenv("TMPDIR", tmp)
+			ns := netnstest.New(t, "ipt")
+			iface, err := New(t.Context(), Options{Protocol: family.protocol, NetNS: ns.Name})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ipt := iface.(*Real)
+			closed := false
+			t.Cleanup(func() {
+				if !closed {
+					if err := ipt.Close(); err != nil {
+						t.Error(err)
+					}
+				}
+			})
+			ctx := t.Context()
+			// The comment carries the namespace name, so the host cannot
+			// hold the same rule.
+			rule := []string{"-s", family.src, "-m", "comment", "--comment", "kpt wrapper " + ns.Name, "-j", "RETURN"}
+			check := append([]string{"-w", "5", "-t", "nat", "-C", string(ChainPostrouting)}, rule...)
+			inNS := func() bool {
+				_, err := ns.Exec(context.Background(), family.bin, check...)
+				return err == nil
+			}
+
+			steps := []struct {
+				name string
+				run  func(t *testing.T)
+			}{
+				{"wrapper script", func(t *testing.T) {
+					dirs := realDirEntries(t, tmp)
+					if len(dirs) != 1 {
+						t.Fatalf("TMPDIR holds %q, want one wrapper directory", dirs)
+					}
+					script := filepath.Join(tmp, dirs[0], family.bin)
+					st, err := os.Stat(script)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if st.Mode().Perm()&0o100 == 0 {
+						t.Errorf("%s mode %v, want executable", script, st.Mode())
+					}
+					body, err := os.ReadFile(script)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if !strings.Contains(string(body), "netns exec '"+ns.Name+"'") {
+						t.Errorf("%s = %q, want it to enter %s", script, body, ns.Name)
+					}
+				}},
+				{"EnsureRule adds in the namespace only", func(t *testing.T) {
+					for i, want := range []bool{false, true} {
+						if existed, err := ipt.EnsureRule(ctx, Append, TableNAT, ChainPostrouting, rule...); err != nil || existed != want {
+							t.Fatalf("EnsureRule #%d = %v, %v; want %v", i+1, existed, err, want)
+						}
+					}
+					if !inNS() {
+						t.Fatalf("rule missing in %s after EnsureRule", ns.Name)
+					}
+					if err := exec.Command(family.bin, check...).Run(); err == nil {
+						t.Fatal("EnsureRule added the rule to the host namespace")
+					}
+				}},
+				{"DeleteRule removes and is idempotent", func(t *testing.T) {
+					for range 2 {
+						if err := ipt.DeleteRule(ctx, TableNAT, ChainPostrouting, rule...); err != nil {
+							t.Fatal(err)
+						}
+						if inNS() {
+							t.Fatalf("rule still in %s after DeleteRule", ns.Name)
+						}
+					}
+				}},
+				{"Close removes the wrapper directory", func(t *testing.T) {
+					for range 2 {
+						if err := ipt.Close(); err != nil {
+							t.Fatal(err)
+						}
+					}
+					closed = true
+					if left := realDirEntries(t, tmp); len(left) != 0 {
+						t.Fatalf("TMPDIR holds %q after Close", left)
+					}
+					// go-iptables has nothing left to run.
+					if _, err := ipt.EnsureRule(ctx, Append, TableNAT, ChainPostrouting, rule...); err == nil {
+						t.Fatal("EnsureRule succeeded after Close")
+					}
+				}},
+			}
+			for _, step := range steps {
+				if !t.Run(step.name, step.run) {
+					return
+				}
 			}
 		})
 	}
@@ -342,11 +498,20 @@ func TestRealChainsAndRules(t *testing.T) {
 					}
 				}},
 				{"bad rule is an error", func(t *testing.T) {
-					if _, err := ipt.EnsureRule(ctx, Append, TableNAT, ChainPrerouting, "-p", "tcp", "--bogus"); err == nil || !strings.Contains(err.Error(), "--bogus") {
+					_, err := ipt.EnsureRule(ctx, Append, TableNAT, ChainPrerouting, "-p", "tcp", "--bogus")
+					if err == nil || !strings.Contains(err.Error(), `unknown option "--bogus"`) {
 						t.Fatalf("EnsureRule with a bad option = %v, want an error naming it", err)
 					}
-					if err := ipt.DeleteRule(ctx, TableNAT, ChainPrerouting, "-p", "tcp", "--bogus"); err == nil {
-						t.Fatal("DeleteRule with a bad option succeeded")
+					if msg := err.Error(); strings.Contains(msg, "\n") || strings.Contains(msg, "Try `") {
+						t.Errorf("error %q is not one line without the usage hint", msg)
+					}
+					for name, args := range map[string][]string{
+						"bad option":    {"-p", "tcp", "--bogus"},
+						"unknown match": {"-m", "kptbogus", "-j", "RETURN"},
+					} {
+						if err := ipt.DeleteRule(ctx, TableNAT, ChainPrerouting, args...); err == nil {
+							t.Errorf("DeleteRule with a %s succeeded", name)
+						}
 					}
 				}},
 			}
@@ -530,7 +695,28 @@ func TestRealContextCancelled(t *testing.T) {
 	ipt, _ := newRealInNS(t, realFamilies[0])
 	ctx, cancel := context.WithCancel(t.Context())
 	cancel()
-	if _, err := ipt.SaveInto(ctx, TableNAT); !errors.Is(err, context.Canceled) {
-		t.Fatalf("SaveInto with a cancelled context = %v, want context.Canceled", err)
+	cases := []struct {
+		name string
+		run  func() error
+	}{
+		{"SaveInto", func() error { _, err := ipt.SaveInto(ctx, TableNAT); return err }},
+		{"Restore", func() error { return ipt.Restore(ctx, []byte("*nat\nCOMMIT\n")) }},
+		{"EnsureChain", func() error { _, err := ipt.EnsureChain(ctx, TableNAT, "KPT-TEST"); return err }},
+		{"EnsureRule", func() error {
+			_, err := ipt.EnsureRule(ctx, Append, TableNAT, ChainPostrouting, "-j", "RETURN")
+			return err
+		}},
+		{"DeleteRule", func() error { return ipt.DeleteRule(ctx, TableNAT, ChainPostrouting, "-j", "RETURN") }},
+		{"FlushChain", func() error { return ipt.FlushChain(ctx, TableNAT, ChainPostrouting) }},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			if err := tc.run(); !errors.Is(err, context.Canceled) {
+				t.Fatalf("%s with a cancelled context = %v, want context.Canceled", tc.name, err)
+			}
+		})
+	}
+	if got := realChainRules(realSave(t, ipt, TableNAT), ChainPostrouting); len(got) != 0 {
+		t.Errorf("POSTROUTING = %q after cancelled calls, want empty", got)
 	}
 }

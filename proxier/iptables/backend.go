@@ -59,6 +59,8 @@ type SyncStats struct {
 	ChainsDeleted int
 	RulesWritten  int
 	Bytes         int
+	// RestoreTime is the time spent in iptables-restore.
+	RestoreTime time.Duration
 	// NATRules and FilterRules count every rule kproxy owns after the sync.
 	NATRules    int
 	FilterRules int

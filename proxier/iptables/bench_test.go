@@ -145,6 +145,11 @@ func benchOnce(b *testing.B, n int) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	b.Cleanup(func() {
+		if err := iface.(*ipt.Real).Close(); err != nil {
+			b.Error(err)
+		}
+	})
 	svcs, slices := benchObjects(n)
 
 	runtime.GC()
@@ -160,13 +165,15 @@ func benchOnce(b *testing.B, n int) {
 	restartDur := timedSync(b, restart.engine)
 
 	// One endpoint changes in one service, five times.
-	var partials []time.Duration
+	var partials, partialRestores []time.Duration
 	for k := 0; k < 5; k++ {
 		sl := slices[n-1-k].DeepCopy()
 		sl.Endpoints[0].Addresses = []string{fmt.Sprintf("10.250.0.%d", k+1)}
 		restart.engine.OnEndpointSliceUpdate(slices[n-1-k], sl)
 		partials = append(partials, timedSync(b, restart.engine))
+		partialRestores = append(partialRestores, restart.backend.LastSync().RestoreTime)
 	}
+	sort.Slice(partialRestores, func(i, j int) bool { return partialRestores[i] < partialRestores[j] })
 	sort.Slice(partials, func(i, j int) bool { return partials[i] < partials[j] })
 	partialSt := restart.backend.LastSync()
 
@@ -194,6 +201,7 @@ func benchOnce(b *testing.B, n int) {
 	b.ReportMetric(float64(st.NATRules+st.FilterRules), "rules")
 	b.ReportMetric(float64(st.Restores), "full-restores")
 	b.ReportMetric(float64(partialSt.ChainsWritten), "partial-chains")
+	b.ReportMetric(float64(partialRestores[len(partialRestores)/2].Microseconds())/1000, "partial-restore-ms")
 	b.ReportMetric(float64(maxWalk), "max-dispatch-walk")
 	b.ReportMetric(heapMiB, "heap-MiB")
 	b.ReportMetric(peakRSSMiB(), "peak-rss-MiB")
@@ -227,4 +235,37 @@ func BenchmarkPartialSyncCPU(b *testing.B) {
 			}
 		})
 	}
+}
+
+// BenchmarkMemory reports the peak resident memory of one kproxy engine
+// doing the first full sync at each size, with the Service and EndpointSlice
+// objects held as kproxy's informer caches would hold them. Run it in its own
+// process (make bench does), since the peak is process-wide.
+func BenchmarkMemory(b *testing.B) {
+	netnstest.RequireRoot(b)
+	sizes := benchSizes()
+	n := sizes[len(sizes)-1]
+	b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
+		for i := 0; i < b.N; i++ {
+			ns := netnstest.New(b, "mem")
+			iface, err := ipt.New(context.Background(), ipt.Options{Protocol: ipt.ProtocolIPv4, NetNS: ns.Name})
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(func() {
+				if err := iface.(*ipt.Real).Close(); err != nil {
+					b.Error(err)
+				}
+			})
+			svcs, slices := benchObjects(n)
+			rig := newBenchRig(b, iface, svcs, slices)
+			timedSync(b, rig.engine)
+			runtime.GC()
+			var ms runtime.MemStats
+			runtime.ReadMemStats(&ms)
+			b.ReportMetric(peakRSSMiB(), "peak-rss-MiB")
+			b.ReportMetric(float64(ms.HeapInuse)/(1<<20), "live-heap-MiB")
+			b.Logf("n=%d peakRSS=%.0fMiB liveHeap=%.0fMiB", n, peakRSSMiB(), float64(ms.HeapInuse)/(1<<20))
+		}
+	})
 }

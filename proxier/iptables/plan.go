@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"sort"
+	"time"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 )
@@ -133,7 +134,10 @@ func restore(ctx context.Context, iface ipt.Interface, data []byte, stats *SyncS
 	}
 	stats.Restores++
 	stats.Bytes += len(data)
-	if err := iface.Restore(ctx, data); err != nil {
+	start := time.Now()
+	err := iface.Restore(ctx, data)
+	stats.RestoreTime += time.Since(start)
+	if err != nil {
 		return fmt.Errorf("iptables-restore (%d bytes): %w", len(data), err)
 	}
 	return nil

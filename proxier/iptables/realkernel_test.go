@@ -161,6 +161,11 @@ func newRealTopo(t *testing.T, fam realFamily) *realTopo {
 	if err != nil {
 		t.Fatalf("iptables in %s: %v", topo.node.Name, err)
 	}
+	t.Cleanup(func() {
+		if err := iface.(*ipt.Real).Close(); err != nil {
+			t.Error(err)
+		}
+	})
 	topo.ipt = iface
 	// Registered after the namespace, so it runs before its deletion.
 	t.Cleanup(func() {
