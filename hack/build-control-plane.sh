@@ -51,8 +51,17 @@ if [ ${#missing[@]} -gt 0 ]; then
   trap 'rm -rf "$tmp"' EXIT
   pkgs=()
   for b in "${missing[@]}"; do pkgs+=("${pkg[$b]}"); done
+  # Stamp the Kubernetes version (kubectl version, /version), as upstream's
+  # build does.
+  kver=$(cd "$test_dir" && "$GO" list -m -f '{{.Version}}' k8s.io/kubernetes)
+  kmajor=${kver#v}; kmajor=${kmajor%%.*}
+  kminor=${kver#v*.}; kminor=${kminor%%.*}
+  ldflags=""
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldflags+=" -X $p.gitVersion=$kver -X $p.gitMajor=$kmajor -X $p.gitMinor=$kminor -X $p.gitTreeState=clean"
+  done
   start=$SECONDS
-  (cd "$test_dir" && "$GO" build -trimpath -o "$tmp/" "${pkgs[@]}")
+  (cd "$test_dir" && "$GO" build -trimpath -ldflags "$ldflags" -o "$tmp/" "${pkgs[@]}")
   # Each binary appears in bin only once complete.
   for b in "${missing[@]}"; do mv "$tmp/$b" "$bin/$b"; done
   log "built ${missing[*]} in $((SECONDS - start))s"

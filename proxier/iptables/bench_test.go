@@ -266,6 +266,10 @@ func BenchmarkMemory(b *testing.B) {
 			b.ReportMetric(peakRSSMiB(), "peak-rss-MiB")
 			b.ReportMetric(float64(ms.HeapInuse)/(1<<20), "live-heap-MiB")
 			b.Logf("n=%d peakRSS=%.0fMiB liveHeap=%.0fMiB", n, peakRSSMiB(), float64(ms.HeapInuse)/(1<<20))
+			// The engine and the objects are what a running kproxy holds.
+			runtime.KeepAlive(rig)
+			runtime.KeepAlive(svcs)
+			runtime.KeepAlive(slices)
 		}
 	})
 }
