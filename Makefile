@@ -6,7 +6,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X github.com/kproxy/kproxy/cmd/kproxy/app.Version=$(VERSION)
 BENCH_SERVICES ?= 1000 10000
 
-.PHONY: all build deps test unit lint bench clean image
+.PHONY: all build deps test unit e2e lint bench clean image demo demo-down control-plane
 
 all: build
 
@@ -17,14 +17,36 @@ build:
 	$(GO) build -ldflags '$(LDFLAGS)' -o bin/kproxy ./cmd/kproxy
 
 lint:
-	@out=$$(gofmt -l cmd pkg proxier config hack test 2>/dev/null); \
+	@out=$$(gofmt -l cmd pkg proxier config hack $$(ls -d test/* | grep -v _cache) 2>/dev/null); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
+	cd test && $(GO) vet ./...
 
-# Unit, fake-backend, fuzz-seed and real-kernel (network namespace) tests.
-# Real-kernel tests need root; they skip otherwise.
-test: deps lint build
+# Everything CI runs: unit, fake-backend, fuzz-seed and real-kernel (network
+# namespace) tests of the agent, then the local cluster's own tests and the
+# e2e suite against a real control plane. Root-only tests skip otherwise.
+test: deps lint build unit e2e
+
+unit:
 	$(GO) test -race -count=1 ./...
+
+# The local cluster (test/LOCAL-CLUSTER.md): one cluster at a time on a
+# machine: -p 1, and the e2e suite takes /tmp/kpc-cluster.lock itself.
+e2e: deps
+	@bin=$$(hack/build-control-plane.sh | tail -n 1) && cd test && \
+	  KPC_BIN_DIR="$$bin" $(GO) test -count=1 -p 1 -timeout 60m ./...
+
+control-plane:
+	hack/build-control-plane.sh
+
+# A real local cluster with kproxy routing real traffic; it stays up for you
+# to explore until `make demo-down`.
+demo: deps
+	@bin=$$(hack/build-control-plane.sh | tail -n 1) && \
+	  KPC_BIN_DIR="$$bin" flock /tmp/kpc-cluster.lock "$$bin/kpc" demo
+
+demo-down:
+	@bin=$$(hack/build-control-plane.sh | tail -n 1) && "$$bin/kpc" down
 
 # Real iptables-restore in a throwaway network namespace (needs root). Each
 # size's peak memory is measured in a process of its own.

@@ -10,6 +10,8 @@ command -v iptables-restore >/dev/null 2>&1 || need+=(iptables)
 command -v ipset >/dev/null 2>&1 || need+=(ipset)
 command -v conntrack >/dev/null 2>&1 || need+=(conntrack)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+# flock and nsenter (the local cluster)
+{ command -v flock && command -v nsenter; } >/dev/null 2>&1 || need+=(util-linux)
 if [ "${#need[@]}" -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "install-deps: need root to install: ${need[*]}" >&2
@@ -25,3 +27,4 @@ if ! command -v go >/dev/null 2>&1 && [ -x /usr/local/go/bin/go ]; then
 fi
 command -v go >/dev/null 2>&1 || { echo "install-deps: Go is not installed" >&2; exit 1; }
 go mod download
+(cd test && go mod download)

@@ -76,6 +76,7 @@ See test/LOCAL-CLUSTER.md.`,
 		newKubeconfigCommand(g, stdout),
 		newExecCommand(g),
 		newAgentCommand(),
+		newDemoCommand(g, stdout),
 	)
 	return root
 }

@@ -1,0 +1,242 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/signal"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+	appsv1 "k8s.io/api/apps/v1"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/ptr"
+
+	"github.com/kproxy/kproxy/pkg/netnstest"
+	"github.com/kproxy/kproxy/test/cluster"
+)
+
+// demoOptions are the flags of `kpc demo`.
+type demoOptions struct {
+	Nodes    int
+	Replicas int
+	Requests int
+	BinDir   string
+}
+
+const demoNamespace = "demo"
+
+func newDemoCommand(g *globalOptions, stdout io.Writer) *cobra.Command {
+	o := &demoOptions{Nodes: 2, Replicas: 3, Requests: 12}
+	cmd := &cobra.Command{
+		Use:   "demo",
+		Short: "Start a cluster (if needed), deploy an echo service and show kproxy routing real requests",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx, cancel := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+			defer cancel()
+			return runDemo(ctx, g, o, stdout)
+		},
+	}
+	cmd.Flags().IntVar(&o.Nodes, "nodes", o.Nodes, "Nodes of a new cluster.")
+	cmd.Flags().IntVar(&o.Replicas, "replicas", o.Replicas, "Replicas of the echo Deployment.")
+	cmd.Flags().IntVar(&o.Requests, "requests", o.Requests, "Requests sent from each vantage point.")
+	cmd.Flags().StringVar(&o.BinDir, "bin-dir", defaultBinDir(), "Directory of the cluster's programs; $KPC_BIN_DIR or kpc's own directory by default.")
+	return cmd
+}
+
+func runDemo(ctx context.Context, g *globalOptions, o *demoOptions, w io.Writer) error {
+	c, err := cluster.Load(g.StateDir)
+	if errors.Is(err, cluster.ErrNotUp) {
+		fmt.Fprintf(w, "==> Starting a %d-node cluster (control plane, nodes and pods are network namespaces)\n", o.Nodes)
+		c, err = cluster.Up(ctx, cluster.Options{Nodes: o.Nodes, StateDir: g.StateDir, BinDir: o.BinDir})
+	}
+	if err != nil {
+		return err
+	}
+	client := c.Client()
+	fmt.Fprintf(w, "==> Cluster up: nodes %s, each running kproxy (iptables mode)\n", strings.Join(c.NodeNames(), ", "))
+
+	if err := demoObjects(ctx, client, o.Replicas); err != nil {
+		return err
+	}
+	fmt.Fprintf(w, "==> Created Deployment %s/echo (%d replicas) and Service %s/echo (ClusterIP + NodePort), and a client pod\n",
+		demoNamespace, o.Replicas, demoNamespace)
+	svc, pods, err := waitDemoReady(ctx, client, o.Replicas)
+	if err != nil {
+		return err
+	}
+	nodePort := svc.Spec.Ports[0].NodePort
+	fmt.Fprintf(w, "==> Service echo: ClusterIP %s:80, NodePort %d; endpoints:\n", svc.Spec.ClusterIP, nodePort)
+	for _, p := range pods {
+		fmt.Fprintf(w, "      %-28s %-15s on %s\n", p.Name, p.Status.PodIP, p.Spec.NodeName)
+	}
+
+	clientPod, err := client.CoreV1().Pods(demoNamespace).Get(ctx, "client", metav1.GetOptions{})
+	if err != nil {
+		return err
+	}
+	podNS, err := c.NetNS(ctx, demoNamespace+"/client")
+	if err != nil {
+		return err
+	}
+	ok := true
+	ok = demoTraffic(ctx, w, fmt.Sprintf("pod %s/client (%s, on %s) -> ClusterIP %s:80", demoNamespace, clientPod.Status.PodIP, clientPod.Spec.NodeName, svc.Spec.ClusterIP),
+		podNS, net.JoinHostPort(svc.Spec.ClusterIP, "80"), o.Requests) && ok
+	for i := range c.NodeNames() {
+		addr := net.JoinHostPort(cluster.NodeIP(i+1), fmt.Sprint(nodePort))
+		ok = demoTraffic(ctx, w, fmt.Sprintf("external client (%s, outside the cluster) -> NodePort %s", cluster.ClientIP, addr),
+			cluster.ClientNetNS, addr, o.Requests) && ok
+	}
+
+	self := "kpc"
+	if exe, err := os.Executable(); err == nil {
+		self = exe
+	}
+	fmt.Fprintf(w, `
+==> kproxy routed every request above through the rules it wrote on each node.
+Try it yourself:
+  export KUBECONFIG=%[1]s
+  kubectl -n %[2]s get pods,svc,endpointslices -o wide      # if you have kubectl
+  %[3]s exec node-1 -- iptables-save -t nat | grep KPROXY    # kproxy's rules on node-1
+  %[3]s exec client -- ip route                             # the external client
+  %[3]s status
+Tear it all down (namespaces, links, processes):
+  %[3]s down        # or: make demo-down
+`, c.Kubeconfig(), demoNamespace, self)
+	if !ok {
+		return errors.New("some demo requests failed (see above); kproxy logs are in " + c.StateDir())
+	}
+	return nil
+}
+
+// demoTraffic sends requests from a namespace and prints which pods answered.
+func demoTraffic(ctx context.Context, w io.Writer, title, netns, addr string, n int) bool {
+	fmt.Fprintf(w, "\n==> %s, %d requests\n", title, n)
+	answered := map[string]int{}
+	seen := map[string]string{}
+	failed := 0
+	ns := &netnstest.NS{Name: netns}
+	for i := 0; i < n; i++ {
+		rctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		reply, err := netnstest.Request(rctx, ns, "tcp", addr)
+		cancel()
+		if err != nil {
+			failed++
+			fmt.Fprintf(w, "      request %d failed: %v\n", i+1, err)
+			continue
+		}
+		f := strings.Fields(reply)
+		if len(f) < 2 {
+			failed++
+			continue
+		}
+		answered[f[0]]++
+		seen[f[0]] = f[1]
+	}
+	names := make([]string, 0, len(answered))
+	for p := range answered {
+		names = append(names, p)
+	}
+	sort.Strings(names)
+	for _, p := range names {
+		fmt.Fprintf(w, "      %-28s answered %2d times (it saw the client as %s)\n", p, answered[p], seen[p])
+	}
+	return failed == 0 && len(names) > 0
+}
+
+func demoObjects(ctx context.Context, client kubernetes.Interface, replicas int) error {
+	ns := &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: demoNamespace}}
+	if _, err := client.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("creating namespace: %w", err)
+	}
+	labels := map[string]string{"app": "echo"}
+	dep := &appsv1.Deployment{
+		ObjectMeta: metav1.ObjectMeta{Name: "echo", Namespace: demoNamespace},
+		Spec: appsv1.DeploymentSpec{
+			Replicas: ptr.To(int32(replicas)),
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: v1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec: v1.PodSpec{Containers: []v1.Container{{
+					Name: "echo", Image: "kpc.local/echo",
+					Ports: []v1.ContainerPort{{Name: "echo", ContainerPort: 8080, Protocol: v1.ProtocolTCP}},
+				}}},
+			},
+		},
+	}
+	if _, err := client.AppsV1().Deployments(demoNamespace).Create(ctx, dep, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("creating deployment: %w", err)
+	}
+	svc := &v1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "echo", Namespace: demoNamespace},
+		Spec: v1.ServiceSpec{
+			Type:     v1.ServiceTypeNodePort,
+			Selector: labels,
+			Ports:    []v1.ServicePort{{Name: "echo", Port: 80, TargetPort: intstr.FromString("echo"), Protocol: v1.ProtocolTCP}},
+		},
+	}
+	if _, err := client.CoreV1().Services(demoNamespace).Create(ctx, svc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("creating service: %w", err)
+	}
+	pod := &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "client", Namespace: demoNamespace},
+		Spec:       v1.PodSpec{Containers: []v1.Container{{Name: "client", Image: "kpc.local/client"}}},
+	}
+	if _, err := client.CoreV1().Pods(demoNamespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("creating client pod: %w", err)
+	}
+	return nil
+}
+
+// waitDemoReady waits for every replica to be a ready endpoint and the client
+// pod to run.
+func waitDemoReady(ctx context.Context, client kubernetes.Interface, replicas int) (*v1.Service, []v1.Pod, error) {
+	var svc *v1.Service
+	var pods []v1.Pod
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		var err error
+		if svc, err = client.CoreV1().Services(demoNamespace).Get(ctx, "echo", metav1.GetOptions{}); err != nil {
+			return false, nil
+		}
+		slices, err := client.DiscoveryV1().EndpointSlices(demoNamespace).List(ctx, metav1.ListOptions{LabelSelector: discovery.LabelServiceName + "=echo"})
+		if err != nil {
+			return false, nil
+		}
+		ready := 0
+		for _, s := range slices.Items {
+			for _, e := range s.Endpoints {
+				if e.Conditions.Ready != nil && *e.Conditions.Ready {
+					ready++
+				}
+			}
+		}
+		cp, err := client.CoreV1().Pods(demoNamespace).Get(ctx, "client", metav1.GetOptions{})
+		if err != nil || cp.Status.PodIP == "" {
+			return false, nil
+		}
+		list, err := client.CoreV1().Pods(demoNamespace).List(ctx, metav1.ListOptions{LabelSelector: "app=echo"})
+		if err != nil {
+			return false, nil
+		}
+		pods = list.Items
+		return ready == replicas, nil
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("waiting for %d ready echo endpoints and the client pod: %w", replicas, err)
+	}
+	sort.Slice(pods, func(i, j int) bool { return pods[i].Name < pods[j].Name })
+	return svc, pods, nil
+}
