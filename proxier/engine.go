@@ -64,6 +64,8 @@ type EngineOptions struct {
 	// a cache must not be fed node events by two engines (the second would
 	// never see a change): give each engine of a MetaProxier its own.
 	NodeLabels *proxy.NodeLabels
+	// WaitForNodes delays the first sync until OnNodeSynced as well.
+	WaitForNodes bool
 	// OnSync, when set, is called after every sync attempt.
 	OnSync func(SyncResult)
 	// OnQueued, when set, is called whenever a change asks for a sync.
@@ -92,6 +94,7 @@ type Engine struct {
 	// family's events, which MetaProxier delivers from the same goroutine).
 	servicesSynced       atomic.Bool
 	endpointSlicesSynced atomic.Bool
+	nodesSynced          atomic.Bool
 	// topologyChanged is set after a node-label change and consumed by the
 	// next sync, which then rebuilds every service.
 	topologyChanged atomic.Bool
@@ -172,7 +175,7 @@ func (e *Engine) requestSync() {
 	if e.opts.OnQueued != nil {
 		e.opts.OnQueued(e.clock.Now())
 	}
-	if e.servicesSynced.Load() && e.endpointSlicesSynced.Load() {
+	if e.cachesSynced() {
 		e.runner.Run()
 	}
 }
@@ -246,7 +249,18 @@ func (e *Engine) OnNodeDelete(node *v1.Node) {
 }
 
 // OnNodeSynced implements config.NodeHandler.
-func (e *Engine) OnNodeSynced() {}
+func (e *Engine) OnNodeSynced() {
+	e.nodesSynced.Store(true)
+	e.requestSync()
+}
+
+// cachesSynced reports whether the first sync may run: Services and
+// EndpointSlices synced, and Nodes too when WaitForNodes is set (the
+// topologyKeys annotation needs every node's labels: without them the first
+// sync would reject traffic of such services until the node list arrived).
+func (e *Engine) cachesSynced() bool {
+	return e.servicesSynced.Load() && e.endpointSlicesSynced.Load() && (!e.opts.WaitForNodes || e.nodesSynced.Load())
+}
 
 func (e *Engine) markTopologyChanged() {
 	e.topologyChanged.Store(true)
@@ -261,8 +275,8 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 	ctx = klog.NewContext(ctx, e.logger)
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if !e.servicesSynced.Load() || !e.endpointSlicesSynced.Load() {
-		e.logger.V(2).Info("Not syncing until Services and EndpointSlices are synced")
+	if !e.cachesSynced() {
+		e.logger.V(2).Info("Not syncing until Services, EndpointSlices (and Nodes, when awaited) are synced")
 		return nil
 	}
 	start := e.clock.Now()

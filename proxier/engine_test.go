@@ -1210,3 +1210,41 @@ func TestNewEngineValidation(t *testing.T) {
 		})
 	}
 }
+
+func TestEngineWaitForNodes(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		waitForNodes bool
+		nodesSynced  bool
+		wantSync     bool
+	}{
+		{name: "nodes not awaited", waitForNodes: false, nodesSynced: false, wantSync: true},
+		{name: "nodes awaited and not synced", waitForNodes: true, nodesSynced: false, wantSync: false},
+		{name: "nodes awaited and synced", waitForNodes: true, nodesSynced: true, wantSync: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			backend := newFakeBackend()
+			e, err := proxier.NewEngine(proxier.EngineOptions{
+				Family: v1.IPv4Protocol, NodeName: "node-a", Backend: backend,
+				MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second, WaitForNodes: tc.waitForNodes,
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			e.OnServiceSynced()
+			e.OnEndpointSlicesSynced()
+			if tc.nodesSynced {
+				e.OnNodeSynced()
+			}
+			if err := e.SyncRules(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			backend.mu.Lock()
+			got := backend.given != nil
+			backend.mu.Unlock()
+			if got != tc.wantSync {
+				t.Errorf("backend synced = %v, want %v", got, tc.wantSync)
+			}
+		})
+	}
+}

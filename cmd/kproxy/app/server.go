@@ -170,7 +170,7 @@ func Run(ctx context.Context, o *Options) error {
 		}
 		e, err := proxier.NewEngine(proxier.EngineOptions{
 			Family: fam, NodeName: name, Backend: backend,
-			MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Logger: logger,
+			MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Logger: logger, WaitForNodes: true,
 		})
 		if err != nil {
 			return err
