@@ -1,0 +1,333 @@
+package ipvs
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
+)
+
+// DefaultTimeouts are the kernel's initial IPVS timeouts, which NewFake
+// starts with.
+var DefaultTimeouts = Timeouts{TCP: 900 * time.Second, TCPFin: 120 * time.Second, UDP: 300 * time.Second}
+
+// AllSchedulers are the schedulers a stock kernel ships (ip_vs_<name>
+// modules); NewFake makes all of them available.
+var AllSchedulers = []string{"rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "fo", "ovf", "mh", "twos"}
+
+// Fake is an in-memory IPVS table: a state store executing the Interface
+// operations with the kernel's rules (duplicate and missing services and
+// destinations, schedulers that must exist, destination family and weight
+// checks, timeouts where zero means unchanged). Tests set connection
+// counters with SetConnections and inspect the table with Services and
+// Destinations. Safe for concurrent use.
+type Fake struct {
+	mu         sync.Mutex
+	services   map[serviceKey]*fakeService
+	timeouts   Timeouts
+	schedulers map[string]bool
+}
+
+type fakeService struct {
+	svc   Service
+	dests map[destKey]*Destination
+}
+
+var _ Interface = (*Fake)(nil)
+
+// NewFake returns an empty table with DefaultTimeouts and every scheduler
+// in AllSchedulers available.
+func NewFake() *Fake {
+	f := &Fake{services: map[serviceKey]*fakeService{}, timeouts: DefaultTimeouts, schedulers: map[string]bool{}}
+	for _, s := range AllSchedulers {
+		f.schedulers[s] = true
+	}
+	return f
+}
+
+// SetSchedulers replaces the set of schedulers the fake kernel has; a
+// service naming another one fails as with a missing module.
+func (f *Fake) SetSchedulers(names ...string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.schedulers = map[string]bool{}
+	for _, s := range names {
+		f.schedulers[s] = true
+	}
+}
+
+// CheckScheduler is the fake's CheckScheduler: nil when name is available.
+func (f *Fake) CheckScheduler(name string) error {
+	if err := validSchedulerName(name); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.checkScheduler(name)
+}
+
+func (f *Fake) checkScheduler(name string) error {
+	if !f.schedulers[name] {
+		return fmt.Errorf("%w: %q (kernel module ip_vs_%s not loaded)", ErrSchedulerUnavailable, name, name)
+	}
+	return nil
+}
+
+func checkCtx(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return nil
+}
+
+func (f *Fake) service(svc *Service) (*fakeService, error) {
+	fs, ok := f.services[svc.key()]
+	if !ok {
+		return nil, fmt.Errorf("IPVS service %s: %w", svc.key(), ErrNotExist)
+	}
+	return fs, nil
+}
+
+// stored returns a copy of svc as the kernel would report it.
+func stored(svc *Service) Service {
+	s := *svc
+	s.Scheduler = svc.scheduler()
+	return s
+}
+
+// Services implements Interface.
+func (f *Fake) Services(ctx context.Context) ([]*Service, error) {
+	if err := checkCtx(ctx); err != nil {
+		return nil, err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := make([]*Service, 0, len(f.services))
+	for _, fs := range f.services {
+		s := fs.svc
+		out = append(out, &s)
+	}
+	slices.SortFunc(out, compareServices)
+	return out, nil
+}
+
+// AddService implements Interface.
+func (f *Fake) AddService(ctx context.Context, svc *Service) error {
+	if err := checkCtx(ctx); err != nil {
+		return err
+	}
+	if err := validateService(svc); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.services[svc.key()]; ok {
+		return fmt.Errorf("adding IPVS service %s: %w", svc.key(), ErrExist)
+	}
+	if err := f.checkScheduler(svc.scheduler()); err != nil {
+		return fmt.Errorf("adding IPVS service %s: %w", svc.key(), err)
+	}
+	f.services[svc.key()] = &fakeService{svc: stored(svc), dests: map[destKey]*Destination{}}
+	return nil
+}
+
+// UpdateService implements Interface.
+func (f *Fake) UpdateService(ctx context.Context, svc *Service) error {
+	if err := checkCtx(ctx); err != nil {
+		return err
+	}
+	if err := validateService(svc); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	fs, err := f.service(svc)
+	if err != nil {
+		return fmt.Errorf("updating: %w", err)
+	}
+	if err := f.checkScheduler(svc.scheduler()); err != nil {
+		return fmt.Errorf("updating IPVS service %s: %w", svc.key(), err)
+	}
+	fs.svc = stored(svc)
+	return nil
+}
+
+// DeleteService implements Interface.
+func (f *Fake) DeleteService(ctx context.Context, svc *Service) error {
+	if err := checkCtx(ctx); err != nil {
+		return err
+	}
+	if err := validateService(svc); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, err := f.service(svc); err != nil {
+		return fmt.Errorf("deleting: %w", err)
+	}
+	delete(f.services, svc.key())
+	return nil
+}
+
+// Destinations implements Interface.
+func (f *Fake) Destinations(ctx context.Context, svc *Service) ([]*Destination, error) {
+	if err := checkCtx(ctx); err != nil {
+		return nil, err
+	}
+	if err := validateService(svc); err != nil {
+		return nil, err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	fs, err := f.service(svc)
+	if err != nil {
+		return nil, fmt.Errorf("listing destinations: %w", err)
+	}
+	out := make([]*Destination, 0, len(fs.dests))
+	for _, d := range fs.dests {
+		dd := *d
+		out = append(out, &dd)
+	}
+	slices.SortFunc(out, compareDestinations)
+	return out, nil
+}
+
+// AddDestination implements Interface.
+func (f *Fake) AddDestination(ctx context.Context, svc *Service, dst *Destination) error {
+	if err := checkCtx(ctx); err != nil {
+		return err
+	}
+	if err := validateService(svc); err != nil {
+		return err
+	}
+	if err := validateDestination(svc, dst); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	fs, err := f.service(svc)
+	if err != nil {
+		return fmt.Errorf("adding destination %s: %w", dst, err)
+	}
+	k := destKey{dst.Address, dst.Port}
+	if _, ok := fs.dests[k]; ok {
+		return fmt.Errorf("adding destination %s to IPVS service %s: %w", dst, svc.key(), ErrExist)
+	}
+	fs.dests[k] = &Destination{Address: dst.Address, Port: dst.Port, Weight: dst.Weight}
+	return nil
+}
+
+// UpdateDestination implements Interface. Connection counters are kept.
+func (f *Fake) UpdateDestination(ctx context.Context, svc *Service, dst *Destination) error {
+	if err := checkCtx(ctx); err != nil {
+		return err
+	}
+	if err := validateService(svc); err != nil {
+		return err
+	}
+	if err := validateDestination(svc, dst); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	d, err := f.destination(svc, dst)
+	if err != nil {
+		return fmt.Errorf("updating %w", err)
+	}
+	d.Weight = dst.Weight
+	return nil
+}
+
+// DeleteDestination implements Interface.
+func (f *Fake) DeleteDestination(ctx context.Context, svc *Service, dst *Destination) error {
+	if err := checkCtx(ctx); err != nil {
+		return err
+	}
+	if err := validateService(svc); err != nil {
+		return err
+	}
+	if err := validateDestination(svc, dst); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, err := f.destination(svc, dst); err != nil {
+		return fmt.Errorf("deleting %w", err)
+	}
+	delete(f.services[svc.key()].dests, destKey{dst.Address, dst.Port})
+	return nil
+}
+
+func (f *Fake) destination(svc *Service, dst *Destination) (*Destination, error) {
+	fs, err := f.service(svc)
+	if err != nil {
+		return nil, fmt.Errorf("destination %s: %w", netip.AddrPortFrom(dst.Address, dst.Port), err)
+	}
+	d, ok := fs.dests[destKey{dst.Address, dst.Port}]
+	if !ok {
+		return nil, fmt.Errorf("destination %s of IPVS service %s: %w", netip.AddrPortFrom(dst.Address, dst.Port), svc.key(), ErrNotExist)
+	}
+	return d, nil
+}
+
+// SetTimeouts implements Interface.
+func (f *Fake) SetTimeouts(ctx context.Context, t Timeouts) error {
+	if err := checkCtx(ctx); err != nil {
+		return err
+	}
+	if err := validateTimeouts(t); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if t.TCP != 0 {
+		f.timeouts.TCP = t.TCP
+	}
+	if t.TCPFin != 0 {
+		f.timeouts.TCPFin = t.TCPFin
+	}
+	if t.UDP != 0 {
+		f.timeouts.UDP = t.UDP
+	}
+	return nil
+}
+
+// GetTimeouts implements Interface.
+func (f *Fake) GetTimeouts(ctx context.Context) (Timeouts, error) {
+	if err := checkCtx(ctx); err != nil {
+		return Timeouts{}, err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.timeouts, nil
+}
+
+// SetConnections sets the active and inactive connection counters of an
+// existing destination, as traffic would.
+func (f *Fake) SetConnections(svc *Service, dst *Destination, active, inactive int) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	d, err := f.destination(svc, dst)
+	if err != nil {
+		return err
+	}
+	d.ActiveConnections, d.InactiveConnections = active, inactive
+	return nil
+}
+
+// Len reports the number of services in the table.
+func (f *Fake) Len() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.services)
+}
+
+// Schedulers lists the available schedulers, sorted.
+func (f *Fake) Schedulers() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Sorted(maps.Keys(f.schedulers))
+}

@@ -1,0 +1,280 @@
+package netlink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+
+	vnl "github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+)
+
+// Options configures the real implementation returned by New.
+type Options struct {
+	// NetNS, when set, is the named network namespace (as made by `ip
+	// netns add`) whose devices the Real manages; for tests and tools.
+	// Empty means the current namespace.
+	NetNS string
+}
+
+// Real is the Interface implementation for a real kernel. It holds one
+// route netlink socket (no XFRM or netfilter sockets, which kernels without
+// xfrm_user refuse), and is safe for concurrent use.
+type Real struct {
+	h *vnl.Handle
+}
+
+var _ Interface = (*Real)(nil)
+
+// New opens a route netlink socket in opts.NetNS. The caller must Close
+// the result.
+func New(opts Options) (*Real, error) {
+	if opts.NetNS == "" {
+		h, err := vnl.NewHandle(unix.NETLINK_ROUTE)
+		if err != nil {
+			return nil, fmt.Errorf("opening route netlink socket: %w", err)
+		}
+		return &Real{h: h}, nil
+	}
+	ns, err := netns.GetFromName(opts.NetNS)
+	if err != nil {
+		return nil, fmt.Errorf("opening network namespace %q: %w", opts.NetNS, err)
+	}
+	defer ns.Close()
+	h, err := vnl.NewHandleAt(ns, unix.NETLINK_ROUTE)
+	if err != nil {
+		return nil, fmt.Errorf("opening route netlink socket in network namespace %q: %w", opts.NetNS, err)
+	}
+	return &Real{h: h}, nil
+}
+
+// Close releases the socket.
+func (r *Real) Close() error {
+	r.h.Close()
+	return nil
+}
+
+// link looks dev up; (nil, nil) when absent.
+func (r *Real) link(dev string) (vnl.Link, error) {
+	l, err := r.h.LinkByName(dev)
+	if err == nil {
+		return l, nil
+	}
+	var nf vnl.LinkNotFoundError
+	if errors.As(err, &nf) || errors.Is(err, unix.ENODEV) {
+		return nil, nil
+	}
+	return nil, fmt.Errorf("looking up device %s: %w", dev, err)
+}
+
+// EnsureDummyDevice implements Interface.
+func (r *Real) EnsureDummyDevice(ctx context.Context, name string) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	if err := validateDeviceName(name); err != nil {
+		return false, err
+	}
+	for attempt := 0; ; attempt++ {
+		l, err := r.link(name)
+		if err != nil {
+			return false, err
+		}
+		if l != nil {
+			if l.Type() != "dummy" {
+				return true, fmt.Errorf("device %s is a %s device: %w", name, l.Type(), ErrNotDummy)
+			}
+			return true, nil
+		}
+		err = r.h.LinkAdd(&vnl.Dummy{LinkAttrs: vnl.LinkAttrs{Name: name}})
+		switch {
+		case err == nil:
+			klog.FromContext(ctx).V(2).Info("Created dummy device", "device", name)
+			return false, nil
+		case errors.Is(err, unix.EEXIST) && attempt == 0:
+			continue // created meanwhile: check its type
+		case errors.Is(err, unix.EOPNOTSUPP):
+			return false, fmt.Errorf("creating dummy device %s: the kernel has no dummy device support (module dummy not loaded): %w", name, err)
+		default:
+			return false, fmt.Errorf("creating dummy device %s: %w", name, err)
+		}
+	}
+}
+
+// DeleteDummyDevice implements Interface.
+func (r *Real) DeleteDummyDevice(ctx context.Context, name string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if err := validateDeviceName(name); err != nil {
+		return err
+	}
+	l, err := r.link(name)
+	if err != nil || l == nil {
+		return err
+	}
+	if l.Type() != "dummy" {
+		return fmt.Errorf("not deleting device %s, a %s device: %w", name, l.Type(), ErrNotDummy)
+	}
+	if err := r.h.LinkDel(l); err != nil && !errors.Is(err, unix.ENODEV) {
+		return fmt.Errorf("deleting dummy device %s: %w", name, err)
+	}
+	klog.FromContext(ctx).V(2).Info("Deleted dummy device", "device", name)
+	return nil
+}
+
+// findAddr returns dev's address addr, nil when dev lacks it.
+func (r *Real) findAddr(l vnl.Link, addr netip.Addr) (*vnl.Addr, error) {
+	family := vnl.FAMILY_V4
+	if addr.Is6() {
+		family = vnl.FAMILY_V6
+	}
+	addrs, err := r.h.AddrList(l, family)
+	if err != nil {
+		return nil, fmt.Errorf("listing addresses of %s: %w", l.Attrs().Name, err)
+	}
+	for i := range addrs {
+		if a, ok := toAddr(addrs[i].IP); ok && a == addr {
+			return &addrs[i], nil
+		}
+	}
+	return nil, nil
+}
+
+// EnsureAddressBound implements Interface.
+func (r *Real) EnsureAddressBound(ctx context.Context, addr netip.Addr, dev string) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	if err := validateAddress(addr); err != nil {
+		return false, err
+	}
+	if err := validateDeviceName(dev); err != nil {
+		return false, err
+	}
+	l, err := r.link(dev)
+	if err != nil {
+		return false, err
+	}
+	if l == nil {
+		return false, fmt.Errorf("binding %s to device %s: device %w", addr, dev, ErrNotExist)
+	}
+	found, err := r.findAddr(l, addr)
+	if err != nil || found != nil {
+		return found != nil, err
+	}
+	p := hostPrefix(addr)
+	a := &vnl.Addr{IPNet: &net.IPNet{IP: net.IP(addr.AsSlice()), Mask: net.CIDRMask(p.Bits(), addr.BitLen())}}
+	if addr.Is4() {
+		a.Scope = unix.RT_SCOPE_HOST
+	} else {
+		a.Flags = unix.IFA_F_NODAD
+	}
+	if err := r.h.AddrAdd(l, a); err != nil {
+		if errors.Is(err, unix.EEXIST) {
+			return true, nil
+		}
+		return false, fmt.Errorf("binding %s to device %s: %w", p, dev, err)
+	}
+	klog.FromContext(ctx).V(4).Info("Bound address", "address", p, "device", dev)
+	return false, nil
+}
+
+// UnbindAddress implements Interface. The address is removed with the
+// prefix length it has on dev, whatever that is.
+func (r *Real) UnbindAddress(ctx context.Context, addr netip.Addr, dev string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if err := validateAddress(addr); err != nil {
+		return err
+	}
+	if err := validateDeviceName(dev); err != nil {
+		return err
+	}
+	l, err := r.link(dev)
+	if err != nil || l == nil {
+		return err
+	}
+	found, err := r.findAddr(l, addr)
+	if err != nil || found == nil {
+		return err
+	}
+	if err := r.h.AddrDel(l, found); err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) {
+		return fmt.Errorf("unbinding %s from device %s: %w", addr, dev, err)
+	}
+	klog.FromContext(ctx).V(4).Info("Unbound address", "address", addr, "device", dev)
+	return nil
+}
+
+// ListBoundAddresses implements Interface.
+func (r *Real) ListBoundAddresses(ctx context.Context, dev string) ([]netip.Addr, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if err := validateDeviceName(dev); err != nil {
+		return nil, err
+	}
+	l, err := r.link(dev)
+	if err != nil {
+		return nil, err
+	}
+	if l == nil {
+		return nil, fmt.Errorf("listing addresses of device %s: device %w", dev, ErrNotExist)
+	}
+	addrs, err := r.h.AddrList(l, vnl.FAMILY_ALL)
+	if err != nil {
+		return nil, fmt.Errorf("listing addresses of device %s: %w", dev, err)
+	}
+	return collect(addrs, nil), nil
+}
+
+// LocalAddresses implements Interface.
+func (r *Real) LocalAddresses(ctx context.Context, excludeDevs ...string) ([]netip.Addr, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	excluded := map[int]bool{}
+	if len(excludeDevs) > 0 {
+		links, err := r.h.LinkList()
+		if err != nil {
+			return nil, fmt.Errorf("listing devices: %w", err)
+		}
+		for _, l := range links {
+			if slices.Contains(excludeDevs, l.Attrs().Name) {
+				excluded[l.Attrs().Index] = true
+			}
+		}
+	}
+	addrs, err := r.h.AddrList(nil, vnl.FAMILY_ALL)
+	if err != nil {
+		return nil, fmt.Errorf("listing addresses: %w", err)
+	}
+	return collect(addrs, excluded), nil
+}
+
+// collect converts addrs, skipping those of excluded device indexes and
+// those listed leaves out, sorted and without duplicates.
+func collect(addrs []vnl.Addr, excluded map[int]bool) []netip.Addr {
+	out := make([]netip.Addr, 0, len(addrs))
+	for _, a := range addrs {
+		if excluded[a.LinkIndex] {
+			continue
+		}
+		if ip, ok := toAddr(a.IP); ok && listed(ip) {
+			out = append(out, ip)
+		}
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return slices.Compact(out)
+}
+
+// toAddr converts a kernel address: 4 bytes for IPv4, 16 for IPv6.
+func toAddr(ip net.IP) (netip.Addr, bool) {
+	return netip.AddrFromSlice(ip)
+}
