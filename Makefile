@@ -55,6 +55,11 @@ bench: deps
 	for n in $(BENCH_SERVICES); do \
 	  KPROXY_BENCH_SERVICES=$$n $(GO) test -run '^$$' -bench 'Memory' -benchtime 1x -timeout 30m ./proxier/iptables/ || exit 1; \
 	done
+	@# Network programming latency on the local cluster: API change -> traffic works.
+	@set -o pipefail; mkdir -p _output && bin=$$(hack/build-control-plane.sh | tail -n 1) && cd test && \
+	  KPC_BIN_DIR="$$bin" KPC_LATENCY_OUT="$(CURDIR)/_output/latency.json" \
+	  $(GO) test -count=1 -run '^TestNetworkProgrammingLatency$$' -v -timeout 30m ./e2e/ | grep -E 'p50|p99|^(ok|FAIL|---)'
+	@echo "latency samples: _output/latency.json"
 
 image:
 	docker build -t kproxy:$(VERSION) .

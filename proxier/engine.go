@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -43,6 +44,31 @@ type SyncResult struct {
 	// that went stale with this sync.
 	DeletedUDPClusterIPs sets.Set[string]
 	DeletedUDPEndpoints  []proxy.ServiceEndpoint
+	// ServiceChanges and EndpointChanges count the services whose Service,
+	// respectively EndpointSlice, changes this sync applied.
+	ServiceChanges  int
+	EndpointChanges int
+	// HealthCheckServices holds, per service with a healthCheckNodePort
+	// (LoadBalancer with externalTrafficPolicy Local), that port and the
+	// number of distinct Ready endpoint IPs on this node, as of this sync.
+	HealthCheckServices map[types.NamespacedName]HealthCheckService
+	// RuleCounts is the backend's RuleCounts after a successful sync, nil
+	// when the sync failed or the backend is not a RuleCounter.
+	RuleCounts map[string]int
+}
+
+// HealthCheckService is one service's healthCheckNodePort and its local
+// endpoint count.
+type HealthCheckService struct {
+	Port           int
+	LocalEndpoints int
+}
+
+// RuleCounter is an optional Backend interface: the number of rules the
+// backend owns after its last successful sync, by table name ("nat",
+// "filter").
+type RuleCounter interface {
+	RuleCounts() map[string]int
 }
 
 // EngineOptions configures an Engine.
@@ -186,6 +212,12 @@ func (e *Engine) Sync() { e.runner.Run() }
 // SyncLoop implements Proxier.
 func (e *Engine) SyncLoop(ctx context.Context) { e.runner.Loop(ctx) }
 
+// PendingChanges names ("namespace/name") the services with Service,
+// respectively EndpointSlice, changes that no sync has applied yet.
+func (e *Engine) PendingChanges() (services, endpoints sets.Set[string]) {
+	return e.serviceChanges.PendingChanges(), e.endpointsChanges.PendingChanges()
+}
+
 // OnServiceAdd implements config.ServiceHandler.
 func (e *Engine) OnServiceAdd(service *v1.Service) { e.OnServiceUpdate(nil, service) }
 
@@ -299,6 +331,12 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 		Services: len(state.Services), DeletedUDPClusterIPs: svcResult.DeletedUDPClusterIPs,
 		DeletedUDPEndpoints: epResult.DeletedUDPEndpoints,
 	}
+	result.ServiceChanges = svcResult.UpdatedServices.Len()
+	result.EndpointChanges = epResult.UpdatedServices.Len()
+	result.HealthCheckServices = e.healthCheckServices(state)
+	if rc, ok := e.backend.(RuleCounter); ok && err == nil {
+		result.RuleCounts = rc.RuleCounts()
+	}
 	for _, st := range state.Services {
 		if st.InternalPolicyLocal && st.HasAnyEndpoints && !st.HasLocalEndpoints() {
 			result.NoLocalEndpointsInternal++
@@ -347,4 +385,29 @@ func (e *Engine) buildState(changed sets.Set[types.NamespacedName], full bool) *
 		}
 	}
 	return &proxy.NodeState{Family: e.opts.Family, NodeName: e.opts.NodeName, Services: e.states, Changed: changed}
+}
+
+// healthCheckServices lists the services of state that have a
+// healthCheckNodePort, with the number of distinct Ready endpoint IPs on this
+// node over all their ports (terminating endpoints do not count: a load
+// balancer should stop sending new connections to this node).
+func (e *Engine) healthCheckServices(state *proxy.NodeState) map[types.NamespacedName]HealthCheckService {
+	out := map[types.NamespacedName]HealthCheckService{}
+	localIPs := map[types.NamespacedName]sets.Set[netip.Addr]{}
+	for name, st := range state.Services {
+		if st.HealthCheckNodePort == 0 {
+			continue
+		}
+		nn := name.NamespacedName
+		if localIPs[nn] == nil {
+			localIPs[nn] = sets.New[netip.Addr]()
+		}
+		for _, ep := range e.endpointsMap[name] {
+			if ep.IsLocal && ep.Ready {
+				localIPs[nn].Insert(ep.IP)
+			}
+		}
+		out[nn] = HealthCheckService{Port: st.HealthCheckNodePort, LocalEndpoints: localIPs[nn].Len()}
+	}
+	return out
 }

@@ -75,13 +75,18 @@ func networkPlan(n int) [][]string {
 	}
 
 	attach(ClientNetNS, "client", ClientIP)
+	// No ICMP redirects: a node forwarding a packet it has no rule for yet
+	// back onto the switch would redirect the client to the dead gateway,
+	// and the client would skip that node for minutes.
 	sysctl(ClientNetNS, "net.ipv4.ip_forward=0")
+	sysctl(ClientNetNS, noRedirects("accept_redirects")...)
 	deadDefault(ClientNetNS)
 
 	for i := 1; i <= n; i++ {
 		ns := NodeNetNS(i)
 		attach(ns, fmt.Sprintf("n%d", i), NodeIP(i))
 		sysctl(ns, "net.ipv4.ip_forward=1")
+		sysctl(ns, noRedirects("send_redirects", "accept_redirects")...)
 		deadDefault(ns)
 		for j := 1; j <= n; j++ {
 			if j != i {
@@ -178,4 +183,17 @@ func teardownNetwork(ctx context.Context) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// noRedirects returns sysctl settings turning the given ICMP redirect keys
+// off on all, default and eth0: the kernel honours a redirect key when it is
+// on for "all" or for the interface, so every one must be off.
+func noRedirects(keys ...string) []string {
+	var out []string
+	for _, key := range keys {
+		for _, dev := range []string{"all", "default", "eth0"} {
+			out = append(out, fmt.Sprintf("net.ipv4.conf.%s.%s=0", dev, key))
+		}
+	}
+	return out
 }

@@ -66,6 +66,7 @@ func TestNetworkPlan(t *testing.T) {
 
 			client := idx[ClientNetNS]
 			mustHave(t, ClientNetNS, client, "addr add 10.254.0.100/24 dev eth0", "sysctl -q -e -w net.ipv4.ip_forward=0",
+				"sysctl -q -e -w net.ipv4.conf.all.accept_redirects=0 net.ipv4.conf.default.accept_redirects=0 net.ipv4.conf.eth0.accept_redirects=0",
 				"neigh replace 10.254.0.254 lladdr "+DeadGatewayMAC+" dev eth0 nud permanent",
 				"route add default via 10.254.0.254 dev eth0")
 			mustLack(t, ClientNetNS, client, "10.244.")
@@ -75,6 +76,7 @@ func TestNetworkPlan(t *testing.T) {
 				node := idx[ns]
 				mustHave(t, ns, node, "link set lo up", fmt.Sprintf("addr add %s/24 dev eth0", NodeIP(i)),
 					"sysctl -q -e -w net.ipv4.ip_forward=1",
+					"sysctl -q -e -w net.ipv4.conf.all.send_redirects=0 net.ipv4.conf.default.send_redirects=0 net.ipv4.conf.eth0.send_redirects=0 net.ipv4.conf.all.accept_redirects=0 net.ipv4.conf.default.accept_redirects=0 net.ipv4.conf.eth0.accept_redirects=0",
 					"neigh replace 10.254.0.254 lladdr "+DeadGatewayMAC+" dev eth0 nud permanent",
 					"route add default via 10.254.0.254 dev eth0")
 				mustHave(t, ControlPlaneNetNS, cp, fmt.Sprintf("route add %s via %s dev eth0", NodePodCIDR(i), NodeIP(i)))

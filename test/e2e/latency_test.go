@@ -79,27 +79,40 @@ func ms(d time.Duration) float64 { return math.Round(float64(d)/float64(time.Mic
 func TestNetworkProgrammingLatency(t *testing.T) {
 	e := newEnv(t)
 	e.deploy(workload{name: "web", replicas: 2})
-	e.deploy(workload{name: "scaled", replicas: 0})
-	scaledSvc := e.createService("scaled", map[string]string{"app": "scaled"})
-	scaledAddr := hostPort(scaledSvc.Spec.ClusterIP, servicePort)
 	from, _ := e.clientPod("client", nodeName(2))
-	// No endpoint yet: rejected, which also shows kproxy knows the Service.
-	e.expectFailure(from, "tcp", scaledAddr, netnstest.ErrRefused)
+	// One Deployment at 0 replicas, behind its own Service, per endpoint
+	// change: none waits for another's pod to go away.
+	var scaled []string
+	for i := 1; i < latencyChanges; i += 2 {
+		name := fmt.Sprintf("scaled-%d", i)
+		e.deploy(workload{name: name, replicas: 0})
+		svc := e.createService(name, map[string]string{"app": name})
+		scaled = append(scaled, hostPort(svc.Spec.ClusterIP, servicePort))
+	}
 
 	byKind := map[string][]time.Duration{}
 	for i := range latencyChanges {
-		time.Sleep(latencySettle)
 		var kind, addr string
 		var began time.Time
 		if i%2 == 0 {
 			kind = changeService
+			time.Sleep(latencySettle)
 			began = time.Now()
 			svc := e.createService(fmt.Sprintf("svc-%d", i), map[string]string{"app": "web"})
 			addr = hostPort(svc.Spec.ClusterIP, servicePort)
 		} else {
-			kind, addr = changeEndpoint, scaledAddr
+			kind, addr = changeEndpoint, scaled[i/2]
+			// Rejected: kproxy has the Service, without endpoints.
+			e.eventually("Service "+addr+" rejecting before its scale-up", programTimeout, func() error {
+				_, err := e.request(from, "tcp", addr, requestTimeout)
+				if !errors.Is(err, netnstest.ErrRefused) {
+					return fmt.Errorf("want a refusal, got %v", err)
+				}
+				return nil
+			})
+			time.Sleep(latencySettle)
 			began = time.Now()
-			e.scale("scaled", 1)
+			e.scale(fmt.Sprintf("scaled-%d", i), 1)
 		}
 		took, err := e.firstSuccess(from, addr, began)
 		if err != nil {
@@ -107,20 +120,6 @@ func TestNetworkProgrammingLatency(t *testing.T) {
 		}
 		byKind[kind] = append(byKind[kind], took)
 		t.Logf("change %2d %-12s %s", i+1, kind, took.Round(100*time.Microsecond))
-		if kind == changeEndpoint {
-			// Back to no endpoint (unmeasured) before the next one.
-			e.scale("scaled", 0)
-			e.eventually("the scaled Service rejecting again", programTimeout, func() error {
-				_, err := e.request(from, "tcp", scaledAddr, requestTimeout)
-				if err == nil {
-					return fmt.Errorf("still answered")
-				}
-				if !errors.Is(err, netnstest.ErrRefused) {
-					return err
-				}
-				return nil
-			})
-		}
 	}
 
 	sum := summarize(byKind)

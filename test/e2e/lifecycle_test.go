@@ -174,12 +174,12 @@ type stream struct {
 	failures []string
 }
 
-// run sends a request every interval until stop closes or max requests
+// run sends a request every interval until stop closes or limit requests
 // were sent.
-func (s *stream) run(e *env, interval time.Duration, max int, stop <-chan struct{}) {
+func (s *stream) run(e *env, interval time.Duration, limit int, stop <-chan struct{}) {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
-	for range max {
+	for range limit {
 		began := time.Now()
 		if _, err := e.request(s.from, "tcp", s.addr, requestTimeout); err != nil {
 			s.failures = append(s.failures, fmt.Sprintf("%s: %v", began.Format("15:04:05.000"), err))

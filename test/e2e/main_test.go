@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -88,10 +89,6 @@ func flagSet(name string) bool {
 // child process and takes the cluster down however the child ended.
 func supervise() (code int) {
 	began := time.Now()
-	sigs := make(chan os.Signal, 4)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
-	defer signal.Stop(sigs)
-
 	unlock, err := lockClusters()
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "e2e: %v\n", err)
@@ -109,6 +106,11 @@ func supervise() (code int) {
 		stateDir = "/run/kpc-e2e"
 	}
 
+	// From here on a signal must not end the process before the cluster
+	// is down: it aborts Up, or stops the child.
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
+	defer signal.Stop(sigs)
 	upCtx, cancelUp := context.WithTimeout(context.Background(), upTimeout)
 	defer cancelUp()
 	go func() {
@@ -156,8 +158,7 @@ func supervise() (code int) {
 	if interrupted {
 		return 1
 	}
-
-	args, err := childArgs(os.Args[1:], time.Since(began))
+	args, err := childArgs(os.Args[1:], testTimeout(), time.Since(began))
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "e2e: %v\n", err)
 		return 1
@@ -195,24 +196,29 @@ func supervise() (code int) {
 	}
 }
 
-// childArgs are the child's arguments: the parent's, with -test.timeout
-// shortened by what bringing the cluster up took and by teardownReserve,
-// so that the child's own timeout (a panic) fires while the parent can
-// still take the cluster down.
-func childArgs(args []string, elapsed time.Duration) ([]string, error) {
-	f := flag.Lookup("test.timeout")
-	if f == nil {
-		return args, nil
-	}
-	timeout, ok := f.Value.(flag.Getter).Get().(time.Duration)
-	if !ok || timeout <= 0 {
+// childArgs are the child's arguments: the parent's, with a timeout
+// (-test.timeout, 0 for none) shortened by what bringing the cluster up
+// took and by teardownReserve, so that the child's own timeout (a panic)
+// fires while the parent can still take the cluster down.
+func childArgs(args []string, timeout, elapsed time.Duration) ([]string, error) {
+	if timeout <= 0 {
 		return args, nil
 	}
 	left := timeout - elapsed - teardownReserve
 	if left <= 0 {
 		return nil, fmt.Errorf("-timeout %s leaves no time for the tests after %s bringing the cluster up", timeout, elapsed.Round(time.Second))
 	}
-	return append(append([]string(nil), args...), "-test.timeout="+left.String()), nil
+	return append(slices.Clone(args), "-test.timeout="+left.String()), nil
+}
+
+// testTimeout is the value of -test.timeout.
+func testTimeout() time.Duration {
+	if f := flag.Lookup("test.timeout"); f != nil {
+		if d, ok := f.Value.(flag.Getter).Get().(time.Duration); ok {
+			return d
+		}
+	}
+	return 0
 }
 
 // keepLogs copies the log directory src to $KPC_E2E_LOGS, when set.

@@ -4,7 +4,9 @@ package app
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
+	"strconv"
 	"strings"
 	"time"
 
@@ -39,6 +41,10 @@ type Options struct {
 	ServiceProxyName   string
 	ShowVersion        bool
 	IPTablesBatchChain int
+	// HealthzBindAddress and MetricsBindAddress are "ip:port"; empty
+	// disables the server.
+	HealthzBindAddress string
+	MetricsBindAddress string
 }
 
 // NewOptions returns the defaults.
@@ -50,6 +56,8 @@ func NewOptions() *Options {
 		MinSyncPeriod:      time.Second,
 		ConfigSyncPeriod:   15 * time.Minute,
 		IPTablesBatchChain: 1000,
+		HealthzBindAddress: "0.0.0.0:10256",
+		MetricsBindAddress: "127.0.0.1:10249",
 	}
 }
 
@@ -70,6 +78,8 @@ func (o *Options) AddFlags(fs *pflag.FlagSet) {
 	fs.StringVar(&o.ServiceProxyName, "service-proxy-name", o.ServiceProxyName, "Handle only Services labelled service.kubernetes.io/service-proxy-name=<name>. Empty: only Services without that label, like kube-proxy.")
 	fs.BoolVar(&o.ShowVersion, "version", o.ShowVersion, "Print the version and exit.")
 	fs.IntVar(&o.IPTablesBatchChain, "iptables-restore-batch-chains", o.IPTablesBatchChain, "Service chains per iptables-restore in a full sync (iptables-nft restore time grows with the square of a batch).")
+	fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "The IP address with port for the health check server (/healthz, /livez) to serve on (set to '0.0.0.0:10256' for all IPv4 interfaces and '[::]:10256' for all IPv6 interfaces). Set empty to disable.")
+	fs.StringVar(&o.MetricsBindAddress, "metrics-bind-address", o.MetricsBindAddress, "The IP address with port for the metrics server (/metrics, /proxyMode) to serve on (set to '0.0.0.0:10249' for all IPv4 interfaces and '[::]:10249' for all IPv6 interfaces). Set empty to disable.")
 }
 
 // Validate reports every invalid flag at once.
@@ -106,7 +116,32 @@ func (o *Options) Validate() error {
 	if _, err := o.nodePortPrefixes(); err != nil {
 		errs = append(errs, err)
 	}
+	if err := validateBindAddress("--healthz-bind-address", o.HealthzBindAddress); err != nil {
+		errs = append(errs, err)
+	}
+	if err := validateBindAddress("--metrics-bind-address", o.MetricsBindAddress); err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
+}
+
+// validateBindAddress accepts "" (disabled) or an IP address with a port,
+// as kube-proxy does.
+func validateBindAddress(flag, value string) error {
+	if value == "" {
+		return nil
+	}
+	host, port, err := net.SplitHostPort(value)
+	if err != nil {
+		return fmt.Errorf("%s=%q must be an IP address with a port: %w", flag, value, err)
+	}
+	if _, err := netip.ParseAddr(host); err != nil {
+		return fmt.Errorf("%s=%q: %q is not an IP address", flag, value, host)
+	}
+	if n, err := strconv.ParseUint(port, 10, 16); err != nil || strconv.FormatUint(n, 10) != port {
+		return fmt.Errorf("%s=%q: %q is not a port number (0-65535)", flag, value, port)
+	}
+	return nil
 }
 
 // clusterCIDRs parses --cluster-cidr into at most one prefix per family.

@@ -40,6 +40,9 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "single-stack cluster CIDR", args: []string{"--cluster-cidr=10.244.0.0/16"}},
 		{name: "dual-stack cluster CIDRs", args: []string{"--cluster-cidr=10.244.0.0/16, fd00:10:244::/56"}},
 		{name: "nodeport addresses", args: []string{"--nodeport-addresses=10.0.0.0/8,fd00::/64", "--nodeport-addresses=192.168.0.0/16"}},
+		{name: "health and metrics disabled", args: []string{"--healthz-bind-address=", "--metrics-bind-address="}},
+		{name: "IPv6 bind addresses", args: []string{"--healthz-bind-address=[::]:10256", "--metrics-bind-address=[::1]:10249"}},
+		{name: "bind address port 0", args: []string{"--healthz-bind-address=127.0.0.1:0", "--metrics-bind-address=0.0.0.0:65535"}},
 		{name: "every other flag", args: []string{
 			"--kubeconfig=/k", "--master=https://x", "--hostname-override=n", "--cleanup", "--masquerade-all",
 			"--config-sync-period=1m", "--service-proxy-name=p", "--iptables-restore-batch-chains=10",
@@ -66,6 +69,12 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "nodeport address garbage", args: []string{"--nodeport-addresses=10.0.0.0/8,primary-ish"}, wantErrs: []string{"--nodeport-addresses", `"primary-ish"`}},
 		{name: "config sync period 0", args: []string{"--config-sync-period=0"}, wantErrs: []string{"--config-sync-period=0s"}},
 		{name: "batch chains 0", args: []string{"--iptables-restore-batch-chains=0"}, wantErrs: []string{"--iptables-restore-batch-chains=0"}},
+		{name: "healthz address without a port", args: []string{"--healthz-bind-address=0.0.0.0"}, wantErrs: []string{`--healthz-bind-address="0.0.0.0"`, "with a port"}},
+		{name: "healthz address with a host name", args: []string{"--healthz-bind-address=localhost:10256"}, wantErrs: []string{"--healthz-bind-address", `"localhost" is not an IP address`}},
+		{name: "healthz port out of range", args: []string{"--healthz-bind-address=0.0.0.0:65536"}, wantErrs: []string{"--healthz-bind-address", `"65536" is not a port number`}},
+		{name: "metrics address with a port name", args: []string{"--metrics-bind-address=127.0.0.1:http"}, wantErrs: []string{"--metrics-bind-address", `"http" is not a port number`}},
+		{name: "metrics address with an empty port", args: []string{"--metrics-bind-address=127.0.0.1:"}, wantErrs: []string{"--metrics-bind-address", `"" is not a port number`}},
+		{name: "metrics IPv6 address without brackets", args: []string{"--metrics-bind-address=::1:10249"}, wantErrs: []string{"--metrics-bind-address", "with a port"}},
 		{
 			name: "every problem is reported at once",
 			args: []string{"--proxy-mode=bogus", "--iptables-masquerade-bit=40", "--iptables-sync-period=0", "--config-sync-period=0", "--cluster-cidr=x", "--nodeport-addresses=y"},
@@ -100,6 +109,7 @@ func TestNewOptionsDefaults(t *testing.T) {
 	want := &Options{
 		ProxyMode: ModeIPTables, MasqueradeBit: 14, SyncPeriod: 30 * time.Second, MinSyncPeriod: time.Second,
 		ConfigSyncPeriod: 15 * time.Minute, IPTablesBatchChain: 1000,
+		HealthzBindAddress: "0.0.0.0:10256", MetricsBindAddress: "127.0.0.1:10249",
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("defaults = %+v, want kube-proxy's %+v", got, want)

@@ -9,16 +9,22 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"syscall"
+	"time"
 
 	"github.com/spf13/cobra"
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
 	"github.com/kproxy/kproxy/config"
+	"github.com/kproxy/kproxy/pkg/healthcheck"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/metrics"
 	"github.com/kproxy/kproxy/proxier"
 	iptbackend "github.com/kproxy/kproxy/proxier/iptables"
 )
@@ -153,6 +159,29 @@ func Run(ctx context.Context, o *Options) error {
 	cidrs, _ := o.clusterCIDRs()
 	npPrefixes, _ := o.nodePortPrefixes()
 
+	var allEngines []*proxier.Engine
+	m, err := metrics.New(metrics.Options{
+		Mode: ModeIPTables, Version: Version,
+		PendingChanges: func() (services, endpoints int) { return pendingChanges(allEngines) },
+	})
+	if err != nil {
+		return err
+	}
+	health, err := healthcheck.NewProxyHealthServer(healthcheck.ProxyHealthOptions{
+		BindAddress: o.HealthzBindAddress, HealthTimeout: 2 * o.SyncPeriod, NodeName: name, Recorder: m,
+	})
+	if err != nil {
+		return err
+	}
+	var hcPrefixes []netip.Prefix
+	for _, fam := range []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol} {
+		hcPrefixes = append(hcPrefixes, npPrefixes[fam]...)
+	}
+	svcHealth := healthcheck.NewServiceHealthServer(healthcheck.ServiceHealthOptions{
+		NodePortAddresses: hcPrefixes, ProxyHealth: health, Logger: logger,
+	})
+	defer svcHealth.Close()
+
 	engines := map[v1.IPFamily]proxier.Proxier{}
 	for fam, i := range ipts {
 		var np []netip.Prefix
@@ -169,13 +198,19 @@ func Run(ctx context.Context, o *Options) error {
 			return err
 		}
 		e, err := proxier.NewEngine(proxier.EngineOptions{
-			Family: fam, NodeName: name, Backend: backend,
+			Family: fam, NodeName: name, Backend: ruleCountingBackend{backend},
 			MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Logger: logger, WaitForNodes: true,
+			OnQueued: func(at time.Time) {
+				health.QueuedUpdate(fam)
+				m.SyncQueued(fam, at)
+			},
+			OnSync: func(r proxier.SyncResult) { afterSync(r, m, health, svcHealth) },
 		})
 		if err != nil {
 			return err
 		}
 		engines[fam] = e
+		allEngines = append(allEngines, e)
 	}
 	var p proxier.Proxier = engines[v1.IPv4Protocol]
 	if v6, ok := engines[v1.IPv6Protocol]; ok {
@@ -203,6 +238,8 @@ func Run(ctx context.Context, o *Options) error {
 		return err
 	}
 	nodeCfg.RegisterEventHandler(p)
+	// The health server follows this node's deletion and ignores other nodes.
+	nodeCfg.RegisterEventHandler(health)
 
 	logger.Info("Starting kproxy", "version", Version, "node", name, "mode", ModeIPTables, "families", len(engines))
 	svcFactory.Start(ctx.Done())
@@ -210,9 +247,85 @@ func Run(ctx context.Context, o *Options) error {
 	go svcCfg.Run(ctx)
 	go epCfg.Run(ctx)
 	go nodeCfg.Run(ctx)
+	var servers sync.WaitGroup
+	if o.HealthzBindAddress != "" {
+		servers.Go(func() { serveUntilDone(ctx, "proxy health", health.Run) })
+	}
+	if o.MetricsBindAddress != "" {
+		servers.Go(func() {
+			serveUntilDone(ctx, "metrics", func(ctx context.Context) error { return m.Run(ctx, o.MetricsBindAddress) })
+		})
+	}
+	// As kube-proxy does, the sync loop's start counts as a queued sync:
+	// the informers are delivering the initial state.
+	for fam := range engines {
+		m.SyncQueued(fam, time.Now())
+	}
 	p.SyncLoop(ctx)
+	servers.Wait()
 	svcFactory.Shutdown()
 	nodeFactory.Shutdown()
 	logger.Info("kproxy stopped; rules stay in place until the next kproxy or --cleanup")
 	return nil
 }
+
+// ruleCountingBackend adds proxier.RuleCounter to the iptables backend,
+// from the statistics of its last successful sync.
+type ruleCountingBackend struct{ *iptbackend.Backend }
+
+func (b ruleCountingBackend) RuleCounts() map[string]int {
+	st := b.LastSync()
+	return map[string]int{string(ipt.TableNAT): st.NATRules, string(ipt.TableFilter): st.FilterRules}
+}
+
+// afterSync feeds one sync result to the metrics, the proxy health and the
+// service health checks. A failed sync leaves the node's rules out of date:
+// it counts as a queued update, so that failing syncs make the proxy
+// unhealthy after the health timeout.
+func afterSync(r proxier.SyncResult, m *metrics.Metrics, health *healthcheck.ProxyHealthServer, svcHealth *healthcheck.ServiceHealthServer) {
+	m.SyncDone(r)
+	if r.Err != nil {
+		health.QueuedUpdate(r.Family)
+		return
+	}
+	health.Updated(r.Family, r.Start)
+	services := make(map[types.NamespacedName]healthcheck.ServiceHealth, len(r.HealthCheckServices))
+	for nn, hc := range r.HealthCheckServices {
+		services[nn] = healthcheck.ServiceHealth{Port: hc.Port, LocalEndpoints: hc.LocalEndpoints}
+	}
+	svcHealth.Sync(r.Family, services)
+}
+
+// pendingChanges counts the services with Service, respectively
+// EndpointSlice, changes that some engine has not applied yet.
+func pendingChanges(engines []*proxier.Engine) (services, endpoints int) {
+	svcs, eps := sets.New[string](), sets.New[string]()
+	for _, e := range engines {
+		s, ep := e.PendingChanges()
+		svcs = svcs.Union(s)
+		eps = eps.Union(ep)
+	}
+	return svcs.Len(), eps.Len()
+}
+
+// serveUntilDone runs serve until ctx is done; when it fails (say the port
+// is taken) the error is logged and serve is retried after a pause, as
+// kube-proxy does: kproxy keeps programming rules without the server.
+func serveUntilDone(ctx context.Context, what string, serve func(context.Context) error) {
+	logger := klog.FromContext(ctx)
+	for {
+		err := serve(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		logger.Error(err, "Server failed; retrying", "server", what, "retryAfter", serverRetryPeriod)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(serverRetryPeriod):
+		}
+	}
+}
+
+// serverRetryPeriod is the pause before restarting a failed HTTP server.
+const serverRetryPeriod = 5 * time.Second

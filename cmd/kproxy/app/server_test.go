@@ -69,6 +69,11 @@ func TestMainRejectsBadFlags(t *testing.T) {
 			wantErrs: []string{"--iptables-sync-period=0s must be greater than 0"},
 		},
 		{
+			name:     "bad healthz bind address",
+			args:     []string{"--healthz-bind-address=localhost"},
+			wantErrs: []string{"invalid flags", `--healthz-bind-address="localhost" must be an IP address with a port`},
+		},
+		{
 			name:     "two IPv4 cluster CIDRs",
 			args:     []string{"--cluster-cidr=10.0.0.0/8,10.1.0.0/16"},
 			wantErrs: []string{"--cluster-cidr: more than one IPv4 CIDR"},
@@ -129,6 +134,7 @@ func TestMainHelp(t *testing.T) {
 		"--kubeconfig", "--master", "--hostname-override", "--proxy-mode", "--cleanup", "--cluster-cidr",
 		"--masquerade-all", "--iptables-masquerade-bit", "--iptables-sync-period", "--iptables-min-sync-period",
 		"--nodeport-addresses", "--config-sync-period", "--service-proxy-name", "--version",
+		"--healthz-bind-address", "--metrics-bind-address",
 		"-v, --v", "--vmodule",
 	} {
 		if !strings.Contains(stdout, flag+" ") {
