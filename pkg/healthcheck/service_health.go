@@ -63,6 +63,7 @@ type ServiceHealthServer struct {
 
 // hcInstance is one service's open health check.
 type hcInstance struct {
+	listeners []net.Listener
 	port      int
 	endpoints int
 	servers   []*http.Server
@@ -198,6 +199,7 @@ func (s *ServiceHealthServer) open(nn types.NamespacedName, port int) (*hcInstan
 		}
 		srv := newHTTPServer(handler)
 		inst.servers = append(inst.servers, srv)
+		inst.listeners = append(inst.listeners, ln)
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
@@ -215,6 +217,12 @@ func (s *ServiceHealthServer) closeInstance(nn types.NamespacedName, inst *hcIns
 		if err := srv.Close(); err != nil {
 			s.logger.Error(err, "Failed to close health check listener", "service", nn, "port", inst.port)
 		}
+	}
+	// Close the listening sockets too, synchronously: http.Server.Close only
+	// reaches a listener once its Serve goroutine has registered it, and the
+	// port must refuse connections when Sync returns.
+	for _, ln := range inst.listeners {
+		_ = ln.Close()
 	}
 }
 
