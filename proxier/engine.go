@@ -13,9 +13,11 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
+	"github.com/kproxy/kproxy/pkg/conntrack"
 	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/pkg/runner"
 )
@@ -98,6 +100,16 @@ type EngineOptions struct {
 	OnQueued func(time.Time)
 	Clock    clock.WithTicker
 	Logger   klog.Logger
+
+	// Conntrack, when set, deletes the UDP conntrack entries that each
+	// successful sync made stale (see engine_conntrack.go); nil leaves
+	// conntrack alone.
+	Conntrack conntrack.Interface
+	// EventRecorder, when set, gets a Warning event on a Service whenever
+	// a change of it brings a field kproxy cannot honour (see events.go).
+	// On a dual-stack node give it to one engine only, or every event is
+	// sent twice.
+	EventRecorder record.EventRecorder
 }
 
 // Engine is the backend-independent part of a proxier for one IP family: it
@@ -131,6 +143,9 @@ type Engine struct {
 	svcPortMap   proxy.ServicePortMap
 	endpointsMap proxy.EndpointsMap
 	states       map[proxy.ServicePortName]*proxy.ServiceState
+	// staleConntrack accumulates what applied changes made stale until a
+	// sync succeeds; only used with opts.Conntrack.
+	staleConntrack conntrack.StaleEntries
 }
 
 var _ Proxier = (*Engine)(nil)
@@ -223,6 +238,7 @@ func (e *Engine) OnServiceAdd(service *v1.Service) { e.OnServiceUpdate(nil, serv
 
 // OnServiceUpdate implements config.ServiceHandler.
 func (e *Engine) OnServiceUpdate(oldService, service *v1.Service) {
+	e.reportServiceProblems(oldService, service)
 	if e.serviceChanges.Update(oldService, service) {
 		e.requestSync()
 	}
@@ -314,6 +330,7 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 	start := e.clock.Now()
 	svcResult := e.serviceChanges.Apply(e.svcPortMap)
 	epResult := e.endpointsChanges.Apply(e.endpointsMap)
+	e.noteStaleConntrack(svcResult, epResult)
 
 	full := e.needFullSync || start.Sub(e.lastFullSync) >= e.opts.FullSyncPeriod
 	changed := svcResult.UpdatedServices.Union(epResult.UpdatedServices)
@@ -356,6 +373,7 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 		if full {
 			e.lastFullSync = start
 		}
+		e.cleanStaleConntrack(ctx)
 		e.logger.V(2).Info("Synced", "full", full, "servicePorts", len(state.Services), "changedServices", changed.Len(), "duration", result.Duration)
 	}
 	if e.opts.OnSync != nil {

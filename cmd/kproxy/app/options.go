@@ -6,12 +6,16 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/spf13/pflag"
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/kproxy/kproxy/pkg/conntrack"
+	"github.com/kproxy/kproxy/pkg/ipvs"
 )
 
 // Version is set at build time with -ldflags "-X .../app.Version=...".
@@ -45,6 +49,27 @@ type Options struct {
 	// disables the server.
 	HealthzBindAddress string
 	MetricsBindAddress string
+
+	// Conntrack (conntrack.go): kube-proxy's --conntrack-* tuning, applied
+	// once at start.
+	Conntrack conntrack.Config
+
+	// Config file (config.go): ConfigFile is a kube-proxy
+	// KubeProxyConfiguration read under the flags given on the command
+	// line; WriteConfigTo, when set, receives the effective configuration
+	// and kproxy exits.
+	ConfigFile    string
+	WriteConfigTo string
+
+	// IPVS mode (--proxy-mode=ipvs), with kube-proxy's flag names.
+	IPVSScheduler     string
+	IPVSStrictARP     bool
+	IPVSTCPTimeout    time.Duration
+	IPVSTCPFinTimeout time.Duration
+	IPVSUDPTimeout    time.Duration
+	IPVSExcludeCIDRs  []string
+	IPVSSyncPeriod    time.Duration
+	IPVSMinSyncPeriod time.Duration
 }
 
 // NewOptions returns the defaults.
@@ -58,6 +83,9 @@ func NewOptions() *Options {
 		IPTablesBatchChain: 1000,
 		HealthzBindAddress: "0.0.0.0:10256",
 		MetricsBindAddress: "127.0.0.1:10249",
+		Conntrack:          conntrack.DefaultConfig(),
+		IPVSScheduler:      ipvs.DefaultScheduler,
+		IPVSSyncPeriod:     30 * time.Second,
 	}
 }
 
@@ -66,7 +94,7 @@ func (o *Options) AddFlags(fs *pflag.FlagSet) {
 	fs.StringVar(&o.Kubeconfig, "kubeconfig", o.Kubeconfig, "Path to a kubeconfig file with authorization information (the in-cluster config is used when empty).")
 	fs.StringVar(&o.Master, "master", o.Master, "The address of the Kubernetes API server (overrides any value in kubeconfig).")
 	fs.StringVar(&o.HostnameOverride, "hostname-override", o.HostnameOverride, "If non-empty, use this string as the node name instead of the hostname.")
-	fs.StringVar(&o.ProxyMode, "proxy-mode", o.ProxyMode, "Which proxy mode to use: 'iptables' ('ipvs' is not available yet).")
+	fs.StringVar(&o.ProxyMode, "proxy-mode", o.ProxyMode, "Which proxy mode to use: 'iptables' or 'ipvs' (needs the kernel's IPVS, ip_vs modules; kproxy never falls back to iptables).")
 	fs.BoolVar(&o.Cleanup, "cleanup", o.Cleanup, "If true, remove every rule kproxy created, for both IP families, and exit.")
 	fs.StringVar(&o.ClusterCIDR, "cluster-cidr", o.ClusterCIDR, "The CIDR range of pods in the cluster (comma-separated, one per family for dual-stack). Traffic to a ClusterIP from outside it is masqueraded.")
 	fs.BoolVar(&o.MasqueradeAll, "masquerade-all", o.MasqueradeAll, "SNAT all traffic sent via Service cluster IPs.")
@@ -80,6 +108,21 @@ func (o *Options) AddFlags(fs *pflag.FlagSet) {
 	fs.IntVar(&o.IPTablesBatchChain, "iptables-restore-batch-chains", o.IPTablesBatchChain, "Service chains per iptables-restore in a full sync (iptables-nft restore time grows with the square of a batch).")
 	fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "The IP address with port for the health check server (/healthz, /livez) to serve on (set to '0.0.0.0:10256' for all IPv4 interfaces and '[::]:10256' for all IPv6 interfaces). Set empty to disable.")
 	fs.StringVar(&o.MetricsBindAddress, "metrics-bind-address", o.MetricsBindAddress, "The IP address with port for the metrics server (/metrics, /proxyMode) to serve on (set to '0.0.0.0:10249' for all IPv4 interfaces and '[::]:10249' for all IPv6 interfaces). Set empty to disable.")
+	o.addConntrackFlags(fs)
+
+	// Config file (config.go).
+	fs.StringVar(&o.ConfigFile, "config", o.ConfigFile, "The path of a kube-proxy configuration file (KubeProxyConfiguration, kubeproxy.config.k8s.io/v1alpha1). Flags given on the command line override its settings.")
+	fs.StringVar(&o.WriteConfigTo, "write-config-to", o.WriteConfigTo, "If set, write the effective configuration (defaults, --config file and flags) to this file as a KubeProxyConfiguration, and exit.")
+
+	// IPVS mode.
+	fs.StringVar(&o.IPVSScheduler, "ipvs-scheduler", o.IPVSScheduler, "The IPVS scheduler of every virtual server in ipvs mode: one of "+strings.Join(ipvs.AllSchedulers, ", ")+" (the kernel needs its module ip_vs_<name>).")
+	fs.BoolVar(&o.IPVSStrictARP, "ipvs-strict-arp", o.IPVSStrictARP, "Enable strict ARP in ipvs mode (arp_ignore=1, arp_announce=2), so that the node does not answer ARP for the service addresses on its dummy device.")
+	fs.DurationVar(&o.IPVSTCPTimeout, "ipvs-tcp-timeout", o.IPVSTCPTimeout, "The timeout for idle IPVS TCP connections, in whole seconds (e.g. '900s'). 0 leaves the kernel's value.")
+	fs.DurationVar(&o.IPVSTCPFinTimeout, "ipvs-tcpfin-timeout", o.IPVSTCPFinTimeout, "The timeout for IPVS TCP connections after receiving a FIN, in whole seconds (e.g. '120s'). 0 leaves the kernel's value.")
+	fs.DurationVar(&o.IPVSUDPTimeout, "ipvs-udp-timeout", o.IPVSUDPTimeout, "The timeout for IPVS UDP packets, in whole seconds (e.g. '300s'). 0 leaves the kernel's value.")
+	fs.StringSliceVar(&o.IPVSExcludeCIDRs, "ipvs-exclude-cidrs", o.IPVSExcludeCIDRs, "A comma-separated list of CIDRs: ipvs mode never deletes an IPVS virtual server inside them when it cleans up stale ones.")
+	fs.DurationVar(&o.IPVSSyncPeriod, "ipvs-sync-period", o.IPVSSyncPeriod, "The maximum interval between IPVS rule syncs in ipvs mode (e.g. '5s', '1m'). Must be greater than 0.")
+	fs.DurationVar(&o.IPVSMinSyncPeriod, "ipvs-min-sync-period", o.IPVSMinSyncPeriod, "The minimum interval between IPVS rule syncs in ipvs mode as endpoints and services change (e.g. '5s', '1m'). 0 syncs at once.")
 }
 
 // Validate reports every invalid flag at once.
@@ -88,10 +131,10 @@ func (o *Options) Validate() error {
 	switch o.ProxyMode {
 	case ModeIPTables, "":
 	case ModeIPVS:
-		errs = append(errs, errors.New("--proxy-mode=ipvs is not available yet in this kproxy build; use --proxy-mode=iptables"))
 	default:
-		errs = append(errs, fmt.Errorf("--proxy-mode=%q is not a proxy mode; use iptables", o.ProxyMode))
+		errs = append(errs, fmt.Errorf("--proxy-mode=%q is not a proxy mode; use iptables or ipvs", o.ProxyMode))
 	}
+	errs = append(errs, o.validateIPVS()...)
 	if o.MasqueradeBit < 0 || o.MasqueradeBit > 31 {
 		errs = append(errs, fmt.Errorf("--iptables-masquerade-bit=%d must be within [0, 31]", o.MasqueradeBit))
 	}
@@ -122,7 +165,66 @@ func (o *Options) Validate() error {
 	if err := validateBindAddress("--metrics-bind-address", o.MetricsBindAddress); err != nil {
 		errs = append(errs, err)
 	}
+	if err := o.Conntrack.Validate(); err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
+}
+
+// validateIPVS checks the IPVS flags (whatever the mode, as kube-proxy
+// does).
+func (o *Options) validateIPVS() []error {
+	var errs []error
+	if !slices.Contains(ipvs.AllSchedulers, o.IPVSScheduler) {
+		errs = append(errs, fmt.Errorf("--ipvs-scheduler=%q is not an IPVS scheduler; use one of %s", o.IPVSScheduler, strings.Join(ipvs.AllSchedulers, ", ")))
+	}
+	for _, t := range []struct {
+		flag string
+		v    time.Duration
+	}{{"--ipvs-tcp-timeout", o.IPVSTCPTimeout}, {"--ipvs-tcpfin-timeout", o.IPVSTCPFinTimeout}, {"--ipvs-udp-timeout", o.IPVSUDPTimeout}} {
+		if t.v < 0 || t.v%time.Second != 0 {
+			errs = append(errs, fmt.Errorf("%s=%v must be a non-negative whole number of seconds", t.flag, t.v))
+		}
+	}
+	if o.IPVSSyncPeriod <= 0 {
+		errs = append(errs, fmt.Errorf("--ipvs-sync-period=%v must be greater than 0", o.IPVSSyncPeriod))
+	}
+	if o.IPVSMinSyncPeriod < 0 {
+		errs = append(errs, fmt.Errorf("--ipvs-min-sync-period=%v must not be negative", o.IPVSMinSyncPeriod))
+	}
+	if o.IPVSSyncPeriod > 0 && o.IPVSMinSyncPeriod > o.IPVSSyncPeriod {
+		errs = append(errs, fmt.Errorf("--ipvs-min-sync-period=%v must not exceed --ipvs-sync-period=%v", o.IPVSMinSyncPeriod, o.IPVSSyncPeriod))
+	}
+	if _, err := o.ipvsExcludeCIDRs(); err != nil {
+		errs = append(errs, err)
+	}
+	return errs
+}
+
+// ipvsExcludeCIDRs parses --ipvs-exclude-cidrs.
+func (o *Options) ipvsExcludeCIDRs() ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for _, s := range o.IPVSExcludeCIDRs {
+		s = strings.TrimSpace(s)
+		if s == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(s)
+		if err != nil {
+			return nil, fmt.Errorf("--ipvs-exclude-cidrs: %q is not a CIDR: %w", s, err)
+		}
+		out = append(out, p.Masked())
+	}
+	return out, nil
+}
+
+// syncPeriods are the engine's maximum and minimum sync intervals in the
+// chosen mode.
+func (o *Options) syncPeriods() (sync, min time.Duration) {
+	if o.ProxyMode == ModeIPVS {
+		return o.IPVSSyncPeriod, o.IPVSMinSyncPeriod
+	}
+	return o.SyncPeriod, o.MinSyncPeriod
 }
 
 // validateBindAddress accepts "" (disabled) or an IP address with a port,

@@ -9,6 +9,8 @@ import (
 
 	"github.com/spf13/pflag"
 	v1 "k8s.io/api/core/v1"
+
+	"github.com/kproxy/kproxy/pkg/conntrack"
 )
 
 // parseOptions parses args as kproxy's flags over the defaults.
@@ -33,6 +35,11 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "defaults"},
 		{name: "empty proxy mode means the default", args: []string{"--proxy-mode="}},
 		{name: "iptables mode", args: []string{"--proxy-mode=iptables"}},
+		{name: "ipvs mode", args: []string{"--proxy-mode=ipvs"}},
+		{name: "every ipvs flag", args: []string{
+			"--proxy-mode=ipvs", "--ipvs-scheduler=mh", "--ipvs-strict-arp", "--ipvs-tcp-timeout=900s", "--ipvs-tcpfin-timeout=2m",
+			"--ipvs-udp-timeout=0", "--ipvs-exclude-cidrs=10.0.0.0/8,fd00::/64", "--ipvs-sync-period=1m", "--ipvs-min-sync-period=1m",
+		}},
 		{name: "masquerade bit 0", args: []string{"--iptables-masquerade-bit=0"}},
 		{name: "masquerade bit 31", args: []string{"--iptables-masquerade-bit=31"}},
 		{name: "min sync period 0", args: []string{"--iptables-min-sync-period=0"}},
@@ -49,7 +56,17 @@ func TestOptionsValidate(t *testing.T) {
 		}},
 
 		{name: "bogus proxy mode", args: []string{"--proxy-mode=bogus"}, wantErrs: []string{`--proxy-mode="bogus"`}},
-		{name: "ipvs proxy mode", args: []string{"--proxy-mode=ipvs"}, wantErrs: []string{"--proxy-mode=ipvs", "not available"}},
+		{name: "bad ipvs scheduler", args: []string{"--proxy-mode=ipvs", "--ipvs-scheduler=fastest"}, wantErrs: []string{`--ipvs-scheduler="fastest"`, "rr, wrr"}},
+		{name: "ipvs timeout not in seconds", args: []string{"--ipvs-tcp-timeout=1500ms"}, wantErrs: []string{"--ipvs-tcp-timeout=1.5s", "whole number of seconds"}},
+		{name: "negative ipvs udp timeout", args: []string{"--ipvs-udp-timeout=-5s"}, wantErrs: []string{"--ipvs-udp-timeout=-5s"}},
+		{name: "ipvs sync period 0", args: []string{"--ipvs-sync-period=0"}, wantErrs: []string{"--ipvs-sync-period=0s must be greater than 0"}},
+		{name: "negative ipvs min sync period", args: []string{"--ipvs-min-sync-period=-1s"}, wantErrs: []string{"--ipvs-min-sync-period=-1s"}},
+		{
+			name:     "ipvs min sync period above sync period",
+			args:     []string{"--ipvs-min-sync-period=1m", "--ipvs-sync-period=30s"},
+			wantErrs: []string{"--ipvs-min-sync-period=1m0s must not exceed --ipvs-sync-period=30s"},
+		},
+		{name: "ipvs exclude CIDR garbage", args: []string{"--ipvs-exclude-cidrs=10.0.0.0/8,lan"}, wantErrs: []string{"--ipvs-exclude-cidrs", `"lan"`}},
 		{name: "masquerade bit -1", args: []string{"--iptables-masquerade-bit=-1"}, wantErrs: []string{"--iptables-masquerade-bit=-1", "[0, 31]"}},
 		{name: "masquerade bit 32", args: []string{"--iptables-masquerade-bit=32"}, wantErrs: []string{"--iptables-masquerade-bit=32"}},
 		{name: "sync period 0", args: []string{"--iptables-sync-period=0"}, wantErrs: []string{"--iptables-sync-period=0s"}},
@@ -110,6 +127,8 @@ func TestNewOptionsDefaults(t *testing.T) {
 		ProxyMode: ModeIPTables, MasqueradeBit: 14, SyncPeriod: 30 * time.Second, MinSyncPeriod: time.Second,
 		ConfigSyncPeriod: 15 * time.Minute, IPTablesBatchChain: 1000,
 		HealthzBindAddress: "0.0.0.0:10256", MetricsBindAddress: "127.0.0.1:10249",
+		Conntrack:     conntrack.Config{MaxPerCore: 32768, Min: 131072, TCPEstablishedTimeout: 24 * time.Hour, TCPCloseWaitTimeout: time.Hour},
+		IPVSScheduler: "rr", IPVSSyncPeriod: 30 * time.Second,
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("defaults = %+v, want kube-proxy's %+v", got, want)
@@ -162,5 +181,25 @@ func TestNodePortPrefixes(t *testing.T) {
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("nodePortPrefixes() = %v, want %v", got, want)
+	}
+}
+
+func TestSyncPeriodsFollowTheMode(t *testing.T) {
+	for _, tc := range []struct {
+		name              string
+		args              []string
+		wantSync, wantMin time.Duration
+	}{
+		{name: "iptables mode", args: []string{"--iptables-sync-period=10s", "--ipvs-sync-period=20s"}, wantSync: 10 * time.Second, wantMin: time.Second},
+		{name: "ipvs mode", args: []string{"--proxy-mode=ipvs", "--iptables-sync-period=10s", "--ipvs-sync-period=20s", "--ipvs-min-sync-period=2s"},
+			wantSync: 20 * time.Second, wantMin: 2 * time.Second},
+		{name: "ipvs mode defaults", args: []string{"--proxy-mode=ipvs"}, wantSync: 30 * time.Second, wantMin: 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sync, min := parseOptions(t, tc.args...).syncPeriods()
+			if sync != tc.wantSync || min != tc.wantMin {
+				t.Errorf("syncPeriods() = %v, %v; want %v, %v", sync, min, tc.wantSync, tc.wantMin)
+			}
+		})
 	}
 }

@@ -22,6 +22,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/kproxy/kproxy/config"
+	"github.com/kproxy/kproxy/pkg/conntrack"
 	"github.com/kproxy/kproxy/pkg/healthcheck"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/metrics"
@@ -59,8 +60,19 @@ LoadBalancer, traffic policies, session affinity and topology-aware routing.`,
 				fmt.Fprintln(stdout, "kproxy", Version)
 				return nil
 			}
+			// Config file (config.go): the file's settings under the
+			// flags given on the command line.
+			if err := o.applyConfigFile(cmd.Flags(), klog.Background()); err != nil {
+				return err
+			}
 			if err := o.Validate(); err != nil {
+				if o.ConfigFile != "" {
+					return fmt.Errorf("invalid configuration (flags and config file %s):\n%w", o.ConfigFile, err)
+				}
 				return fmt.Errorf("invalid flags:\n%w", err)
+			}
+			if o.WriteConfigTo != "" {
+				return o.writeConfig(cmd.Flags(), klog.Background())
 			}
 			ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 			defer cancel()
@@ -98,24 +110,12 @@ func iptablesFor(ctx context.Context) (map[v1.IPFamily]ipt.Interface, error) {
 
 // RunCleanup removes every rule kproxy created and returns.
 func RunCleanup(ctx context.Context, o *Options) error {
-	logger := klog.FromContext(ctx)
 	ipts, err := iptablesFor(ctx)
 	if err != nil {
 		return err
 	}
-	var errs []error
-	for fam, i := range ipts {
-		b, err := iptbackend.New(iptbackend.Options{IPTables: i})
-		if err != nil {
-			return err
-		}
-		if err := b.Cleanup(ctx); err != nil {
-			errs = append(errs, fmt.Errorf("%s cleanup: %w", fam, err))
-			continue
-		}
-		logger.Info("Removed kproxy iptables rules", "family", fam)
-	}
-	return errors.Join(errs...)
+	// Both modes' state, whichever mode the flags name (ipvsmode.go).
+	return cleanupAll(ctx, o, ipts)
 }
 
 // nodeName is --hostname-override or the hostname, lowercased as the
@@ -137,38 +137,80 @@ func nodeName(o *Options) (string, error) {
 }
 
 // Run is kproxy's main loop: it returns when ctx is done.
-func Run(ctx context.Context, o *Options) error {
+func Run(ctx context.Context, o *Options) error { return run(ctx, o, runDeps{}) }
+
+// runDeps are Run's connections to the API server and the kernel; a nil
+// field means the real one. Tests replace them.
+type runDeps struct {
+	client               kubernetes.Interface
+	iptables             map[v1.IPFamily]ipt.Interface
+	sysctl, moduleParams conntrack.Sysctl
+	conntrack            conntrack.Interface
+}
+
+// run is Run with deps.
+func run(ctx context.Context, o *Options, deps runDeps) error {
 	logger := klog.FromContext(ctx)
 	name, err := nodeName(o)
 	if err != nil {
 		return err
 	}
-	restCfg, err := clientcmd.BuildConfigFromFlags(o.Master, o.Kubeconfig)
-	if err != nil {
-		return fmt.Errorf("building API client config: %w", err)
+	mode := o.ProxyMode
+	if mode == "" {
+		mode = ModeIPTables
 	}
-	restCfg.UserAgent = "kproxy/" + Version
-	client, err := kubernetes.NewForConfig(restCfg)
-	if err != nil {
-		return fmt.Errorf("building API client: %w", err)
+	syncPeriod, minSyncPeriod := o.syncPeriods()
+	// IPVS mode's start-up checks come first: without IPVS kproxy fails
+	// with what is missing; it never falls back to iptables.
+	var ipvsK *ipvsKernel
+	if mode == ModeIPVS {
+		if ipvsK, err = openIPVSKernel(ctx, o, true); err != nil {
+			return err
+		}
+		defer ipvsK.close()
 	}
-	ipts, err := iptablesFor(ctx)
+	client := deps.client
+	if client == nil {
+		restCfg, err := clientcmd.BuildConfigFromFlags(o.Master, o.Kubeconfig)
+		if err != nil {
+			return fmt.Errorf("building API client config: %w", err)
+		}
+		restCfg.UserAgent = "kproxy/" + Version
+		if client, err = kubernetes.NewForConfig(restCfg); err != nil {
+			return fmt.Errorf("building API client: %w", err)
+		}
+	}
+	ipts := deps.iptables
+	if ipts == nil {
+		if ipts, err = iptablesFor(ctx); err != nil {
+			return err
+		}
+	}
+	// Conntrack (conntrack.go): the sysctls once, and the table the
+	// engines delete stale UDP entries from.
+	ct, closeConntrack, err := startConntrack(ctx, o, deps)
 	if err != nil {
 		return err
 	}
+	defer closeConntrack()
+	// Kubernetes Events (events.go): "Starting" on this Node now,
+	// Warnings on Services from the engine.
+	recorder, stopEvents := startEvents(ctx, client, name)
+	defer stopEvents()
 	cidrs, _ := o.clusterCIDRs()
 	npPrefixes, _ := o.nodePortPrefixes()
+	cleanupOtherMode(ctx, o, ipts)
 
 	var allEngines []*proxier.Engine
 	m, err := metrics.New(metrics.Options{
-		Mode: ModeIPTables, Version: Version,
+		Mode: mode, Version: Version,
 		PendingChanges: func() (services, endpoints int) { return pendingChanges(allEngines) },
 	})
 	if err != nil {
 		return err
 	}
 	health, err := healthcheck.NewProxyHealthServer(healthcheck.ProxyHealthOptions{
-		BindAddress: o.HealthzBindAddress, HealthTimeout: 2 * o.SyncPeriod, NodeName: name, Recorder: m,
+		BindAddress: o.HealthzBindAddress, HealthTimeout: 2 * syncPeriod, NodeName: name, Recorder: m,
 	})
 	if err != nil {
 		return err
@@ -188,23 +230,33 @@ func Run(ctx context.Context, o *Options) error {
 		if len(o.NodePortAddresses) > 0 {
 			np = append([]netip.Prefix{}, npPrefixes[fam]...)
 		}
-		bit := o.MasqueradeBit
-		backend, err := iptbackend.New(iptbackend.Options{
-			IPTables: i, MasqueradeBit: &bit, MasqueradeAll: o.MasqueradeAll,
-			ClusterCIDR: cidrs[fam], NodePortAddresses: np, BatchChains: o.IPTablesBatchChain,
-			CanaryInterval: o.SyncPeriod,
-		})
-		if err != nil {
-			return err
+		var backend proxier.Backend
+		if mode == ModeIPVS {
+			if backend, err = newIPVSBackend(o, ipvsK, i, cidrs[fam], np); err != nil {
+				return err
+			}
+		} else {
+			bit := o.MasqueradeBit
+			b, err := iptbackend.New(iptbackend.Options{
+				IPTables: i, MasqueradeBit: &bit, MasqueradeAll: o.MasqueradeAll,
+				ClusterCIDR: cidrs[fam], NodePortAddresses: np, BatchChains: o.IPTablesBatchChain,
+				CanaryInterval: o.SyncPeriod,
+			})
+			if err != nil {
+				return err
+			}
+			backend = ruleCountingBackend{b}
 		}
 		e, err := proxier.NewEngine(proxier.EngineOptions{
-			Family: fam, NodeName: name, Backend: ruleCountingBackend{backend},
-			MinSyncPeriod: o.MinSyncPeriod, SyncPeriod: o.SyncPeriod, Logger: logger, WaitForNodes: true,
+			Family: fam, NodeName: name, Backend: backend,
+			MinSyncPeriod: minSyncPeriod, SyncPeriod: syncPeriod, Logger: logger, WaitForNodes: true,
 			OnQueued: func(at time.Time) {
 				health.QueuedUpdate(fam)
 				m.SyncQueued(fam, at)
 			},
 			OnSync: func(r proxier.SyncResult) { afterSync(r, m, health, svcHealth) },
+			// Stale UDP conntrack entries and Service events.
+			Conntrack: ct, EventRecorder: serviceEventRecorder(fam, recorder),
 		})
 		if err != nil {
 			return err
@@ -241,7 +293,7 @@ func Run(ctx context.Context, o *Options) error {
 	// The health server follows this node's deletion and ignores other nodes.
 	nodeCfg.RegisterEventHandler(health)
 
-	logger.Info("Starting kproxy", "version", Version, "node", name, "mode", ModeIPTables, "families", len(engines))
+	logger.Info("Starting kproxy", "version", Version, "node", name, "mode", mode, "families", len(engines))
 	svcFactory.Start(ctx.Done())
 	nodeFactory.Start(ctx.Done())
 	go svcCfg.Run(ctx)

@@ -59,9 +59,9 @@ func TestMainRejectsBadFlags(t *testing.T) {
 			wantErrs: []string{"invalid flags", "--iptables-masquerade-bit=40"},
 		},
 		{
-			name:     "ipvs mode",
-			args:     []string{"--proxy-mode=ipvs", "--kubeconfig=/nonexistent"},
-			wantErrs: []string{"invalid flags", "--proxy-mode=ipvs is not available"},
+			name:     "ipvs mode with a bad scheduler",
+			args:     []string{"--proxy-mode=ipvs", "--ipvs-scheduler=best", "--kubeconfig=/nonexistent"},
+			wantErrs: []string{"invalid flags", `--ipvs-scheduler="best" is not an IPVS scheduler`},
 		},
 		{
 			name:     "zero sync period",
@@ -135,6 +135,8 @@ func TestMainHelp(t *testing.T) {
 		"--masquerade-all", "--iptables-masquerade-bit", "--iptables-sync-period", "--iptables-min-sync-period",
 		"--nodeport-addresses", "--config-sync-period", "--service-proxy-name", "--version",
 		"--healthz-bind-address", "--metrics-bind-address",
+		"--ipvs-scheduler", "--ipvs-strict-arp", "--ipvs-tcp-timeout", "--ipvs-tcpfin-timeout", "--ipvs-udp-timeout",
+		"--ipvs-exclude-cidrs", "--ipvs-sync-period", "--ipvs-min-sync-period",
 		"-v, --v", "--vmodule",
 	} {
 		if !strings.Contains(stdout, flag+" ") {
@@ -177,5 +179,32 @@ func TestNodeName(t *testing.T) {
 				t.Errorf("nodeName() = %q, want %q", got, tc.want)
 			}
 		})
+	}
+}
+
+// TestMainIPVSUnavailable checks that --proxy-mode=ipvs on a kernel without
+// IPVS fails before touching the API server, names what is missing and does
+// not fall back to iptables mode.
+func TestMainIPVSUnavailable(t *testing.T) {
+	if ipvsLoaded() || os.Getenv("KPROXY_IN_VM") == "1" {
+		t.Skip("this kernel has IPVS")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (kproxy tries to load ip_vs)")
+	}
+	code, stdout, stderr := runMain("--proxy-mode=ipvs", "--kubeconfig=/nonexistent", "--hostname-override=node-a",
+		"--healthz-bind-address=", "--metrics-bind-address=")
+	if code == 0 {
+		t.Fatalf("exit code 0; stderr %q", stderr)
+	}
+	for _, want := range []string{"--proxy-mode=ipvs", "IPVS", "ip_vs"} {
+		if !strings.Contains(stderr, want) {
+			t.Errorf("stderr = %q, want it to name %q", stderr, want)
+		}
+	}
+	for _, bad := range []string{"API client", "Starting kproxy"} {
+		if strings.Contains(stderr+stdout, bad) {
+			t.Errorf("kproxy went on without IPVS (%q in the output)", bad)
+		}
 	}
 }

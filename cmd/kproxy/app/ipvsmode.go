@@ -1,0 +1,162 @@
+package app
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/klog/v2"
+
+	"github.com/kproxy/kproxy/pkg/ipset"
+	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/ipvs"
+	"github.com/kproxy/kproxy/pkg/netlink"
+	"github.com/kproxy/kproxy/proxier"
+	iptbackend "github.com/kproxy/kproxy/proxier/iptables"
+	ipvsbackend "github.com/kproxy/kproxy/proxier/ipvs"
+)
+
+// ipvsKernel holds the real kernel interfaces of IPVS mode, shared by both
+// families; a nil member is one the kernel lacks (cleanup only).
+type ipvsKernel struct {
+	ipvs  *ipvs.Real
+	nl    *netlink.Real
+	ipset *ipset.Real
+}
+
+func (k *ipvsKernel) close() {
+	if k.ipvs != nil {
+		_ = k.ipvs.Close()
+	}
+	if k.nl != nil {
+		_ = k.nl.Close()
+	}
+	if k.ipset != nil {
+		_ = k.ipset.Close()
+	}
+}
+
+// ipvsLoaded reports whether the kernel's IPVS is loaded: without it no
+// IPVS virtual server can exist.
+func ipvsLoaded() bool {
+	_, err := os.Stat("/proc/net/ip_vs")
+	return err == nil
+}
+
+// openIPVSKernel opens the kernel interfaces of IPVS mode. For running
+// (required) every one must work and the scheduler must exist: the error
+// names what is missing. For cleanup, what the kernel lacks is left nil and
+// IPVS is not loaded just to look into it.
+func openIPVSKernel(ctx context.Context, o *Options, required bool) (*ipvsKernel, error) {
+	k := &ipvsKernel{}
+	fail := func(err error) (*ipvsKernel, error) {
+		k.close()
+		return nil, err
+	}
+	if required {
+		if err := ipvs.CheckScheduler(o.IPVSScheduler); err != nil {
+			return fail(fmt.Errorf("--proxy-mode=ipvs needs the kernel's IPVS with scheduler %q: %w", o.IPVSScheduler, err))
+		}
+	}
+	if required || ipvsLoaded() {
+		r, err := ipvs.New(ipvs.Options{})
+		if err != nil {
+			if required {
+				return fail(fmt.Errorf("--proxy-mode=ipvs: %w", err))
+			}
+			klog.FromContext(ctx).V(2).Info("IPVS not usable; not cleaning IPVS virtual servers", "err", err)
+		} else {
+			k.ipvs = r
+		}
+	}
+	nl, err := netlink.New(netlink.Options{})
+	if err != nil {
+		return fail(fmt.Errorf("netlink (for the dummy device %s): %w", ipvsbackend.DefaultDummyDevice, err))
+	}
+	k.nl = nl
+	sets, err := ipset.New(ipset.Options{})
+	if err == nil {
+		if _, err = sets.ListSets(ctx); err != nil {
+			_ = sets.Close()
+		}
+	}
+	switch {
+	case err == nil:
+		k.ipset = sets
+	case required:
+		return fail(fmt.Errorf("--proxy-mode=ipvs needs the kernel's ipsets (kernel module ip_set and its hash:ip,port types): %w", err))
+	default:
+		klog.FromContext(ctx).V(2).Info("ipsets not usable; not cleaning ipsets", "err", err)
+	}
+	return k, nil
+}
+
+// newIPVSBackend builds the IPVS backend of one family.
+func newIPVSBackend(o *Options, k *ipvsKernel, i ipt.Interface, clusterCIDR netip.Prefix, nodePortAddresses []netip.Prefix) (proxier.Backend, error) {
+	exclude, err := o.ipvsExcludeCIDRs()
+	if err != nil {
+		return nil, err
+	}
+	bit := o.MasqueradeBit
+	return ipvsbackend.New(ipvsbackend.Options{
+		IPVS: k.ipvs, Netlink: k.nl, IPSet: k.ipset, IPTables: i, Sysctl: ipvsbackend.ProcSysctl{},
+		Scheduler: o.IPVSScheduler, StrictARP: o.IPVSStrictARP,
+		Timeouts:     ipvs.Timeouts{TCP: o.IPVSTCPTimeout, TCPFin: o.IPVSTCPFinTimeout, UDP: o.IPVSUDPTimeout},
+		ExcludeCIDRs: exclude, MasqueradeBit: &bit, MasqueradeAll: o.MasqueradeAll,
+		ClusterCIDR: clusterCIDR, NodePortAddresses: nodePortAddresses,
+	})
+}
+
+// cleanupOtherMode removes the iptables chains the other proxy mode left
+// (a node switching modes without --cleanup): their rules would otherwise
+// keep handling service traffic, and the iptables backend would fail to
+// delete the IPVS chains its hooks reference. Failures are logged.
+func cleanupOtherMode(ctx context.Context, o *Options, ipts map[v1.IPFamily]ipt.Interface) {
+	other := ipvsbackend.IsChain
+	if o.ProxyMode == ModeIPVS {
+		other = func(c string) bool { return iptbackend.IsKProxyChain(c) && !ipvsbackend.IsChain(c) }
+	}
+	for fam, i := range ipts {
+		if err := iptbackend.CleanupChains(ctx, i, other); err != nil {
+			klog.FromContext(ctx).Error(err, "Removing the other proxy mode's iptables chains failed", "family", fam)
+		}
+	}
+}
+
+// cleanupAll removes what either mode left, for every family: iptables
+// chains and jumps, then IPVS mode's ipsets, virtual servers and dummy
+// device (where the kernel has them).
+func cleanupAll(ctx context.Context, o *Options, ipts map[v1.IPFamily]ipt.Interface) error {
+	logger := klog.FromContext(ctx)
+	k, err := openIPVSKernel(ctx, o, false)
+	if err != nil {
+		return err
+	}
+	defer k.close()
+	var errs []error
+	for _, fam := range []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol} {
+		i, ok := ipts[fam]
+		if !ok {
+			continue
+		}
+		opts := ipvsbackend.CleanupOptions{IPTables: i, Netlink: k.nl}
+		if k.ipvs != nil {
+			opts.IPVS = k.ipvs
+		}
+		if k.ipset != nil {
+			opts.IPSet = k.ipset
+		}
+		if err := ipvsbackend.Cleanup(ctx, opts); err != nil {
+			errs = append(errs, fmt.Errorf("%s cleanup: %w", fam, err))
+			continue
+		}
+		logger.Info("Removed kproxy's rules", "family", fam)
+	}
+	if err := k.nl.DeleteDummyDevice(ctx, ipvsbackend.DefaultDummyDevice); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}

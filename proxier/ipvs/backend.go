@@ -1,0 +1,765 @@
+// Package ipvs is kproxy's IPVS backend: every ClusterIP, ExternalIP,
+// LoadBalancer VIP and node port is an IPVS virtual server whose real
+// servers are the service's endpoints; the VIPs are bound to a dummy device
+// so that their packets are local and reach IPVS; a small, constant set of
+// iptables rules matching ipsets decides masquerading, Local-policy drops
+// and loadBalancerSourceRanges.
+//
+// # What kproxy owns
+//
+// kproxy touches only what it created:
+//   - the dummy device (DefaultDummyDevice) and the addresses on it;
+//   - the ipsets named in SetNames;
+//   - iptables chains starting with ChainPrefix and the jumps to them;
+//   - IPVS virtual servers that are its own: a virtual server is kproxy's
+//     when this backend created (or adopted, being one a Service wants) it,
+//     or when its (address, protocol, port) is recorded in the sets kproxy
+//     last wrote (KPROXY-CLUSTER-IP, -EXTERNAL-IP, -LOAD-BALANCER,
+//     -NODE-PORT). A sync adds a virtual server's entry before creating it
+//     and removes the entry after deleting it, so a restarted kproxy
+//     recognises everything its predecessor left. Any other virtual server
+//     (another address, a VIP's address at a port no Service uses, or a
+//     node address and port that no Service uses) is foreign and never
+//     changed or deleted, by a sync or by Cleanup. A full sync also leaves
+//     alone virtual servers inside Options.ExcludeCIDRs.
+//
+// # Deviations from upstream kube-proxy's IPVS mode
+//
+// Ownership is by (address, protocol, port), not by "address bound to
+// the dummy device": a virtual server someone else put on a ClusterIP's
+// address at another port survives. Node ports are hash:ip,port sets of (node address, protocol:port) instead
+// of bitmap:port sets: they match exactly the addresses that have node-port
+// virtual servers (so --nodeport-addresses is honoured by the rules too) and
+// give a precise ownership record. Upstream flushes every IPVS virtual server
+// on cleanup; kproxy removes only its own. Pods and the node reaching an
+// external destination of an externalTrafficPolicy=Local service are
+// short-circuited to the cluster endpoints, as in iptables mode: a DNAT to
+// the ClusterIP virtual server (upstream IPVS mode sends them to the local
+// endpoints only).
+package ipvs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
+
+	"github.com/kproxy/kproxy/pkg/ipset"
+	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/ipvs"
+	"github.com/kproxy/kproxy/pkg/netlink"
+	"github.com/kproxy/kproxy/pkg/proxy"
+	"github.com/kproxy/kproxy/proxier"
+)
+
+// DefaultGracefulTerminationTimeout bounds how long a removed TCP or SCTP
+// real server is kept at weight 0 waiting for its connections to end.
+const DefaultGracefulTerminationTimeout = 15 * time.Minute
+
+// Options configures a Backend. The four kernel interfaces and Sysctl are
+// required; the rest have kube-proxy's defaults.
+type Options struct {
+	IPVS     ipvs.Interface
+	Netlink  netlink.Interface
+	IPSet    ipset.Interface
+	IPTables ipt.Interface
+	// Sysctl sets the kernel parameters IPVS mode needs (ProcSysctl for
+	// the node).
+	Sysctl Sysctl
+	// Scheduler is the IPVS scheduler of every virtual server; default
+	// "rr".
+	Scheduler string
+	// StrictARP sets arp_ignore=1 and arp_announce=2, so that the node does
+	// not answer ARP for the addresses on the dummy device.
+	StrictARP bool
+	// Timeouts are the IPVS TCP, TCP FIN and UDP timeouts; zero fields
+	// leave the kernel's values.
+	Timeouts ipvs.Timeouts
+	// ExcludeCIDRs: a full sync never deletes a virtual server inside them.
+	ExcludeCIDRs []netip.Prefix
+	// MasqueradeBit is the fwmark bit (0-31) that asks for SNAT; default 14.
+	MasqueradeBit *int
+	// MasqueradeAll masquerades all traffic to ClusterIPs.
+	MasqueradeAll bool
+	// ClusterCIDR of this family: ClusterIP traffic from outside it is
+	// masqueraded. Zero means unknown.
+	ClusterCIDR netip.Prefix
+	// NodePortAddresses restricts node ports to local addresses inside
+	// these prefixes. nil means every local address but loopback ones; an
+	// empty non-nil slice means none.
+	NodePortAddresses []netip.Prefix
+	// DummyDevice holds the VIPs; default DefaultDummyDevice.
+	DummyDevice string
+	// GracefulTerminationTimeout: default DefaultGracefulTerminationTimeout.
+	GracefulTerminationTimeout time.Duration
+	Clock                      clock.PassiveClock
+}
+
+// SyncStats counts what the last sync did to the kernel, for logs and
+// tests.
+type SyncStats struct {
+	Full                                                        bool
+	ServicesAdded, ServicesUpdated, ServicesDeleted             int
+	DestinationsAdded, DestinationsUpdated, DestinationsDeleted int
+	EntriesAdded, EntriesDeleted                                int
+	AddressesBound, AddressesUnbound                            int
+	Restores                                                    int
+	// VirtualServers is the number of virtual servers kproxy wants;
+	// Terminating the real servers waiting at weight 0.
+	VirtualServers, Terminating int
+	// Errors is the number of operations that failed (the sync then
+	// returned an error).
+	Errors   int
+	Duration time.Duration
+}
+
+// Backend implements proxier.Backend with IPVS, for one IP family.
+type Backend struct {
+	opts     Options
+	ipvs     ipvs.Interface
+	nl       netlink.Interface
+	ipset    ipset.Interface
+	ipt      ipt.Interface
+	ipv6     bool
+	device   string
+	masqMark string
+	clock    clock.PassiveClock
+
+	// initialized is true after a full sync without errors; false makes
+	// the next sync full.
+	initialized bool
+	// What was last applied.
+	plans     map[proxy.ServicePortName]*servicePlan
+	vsWanted  map[vsKey]*virtualServer
+	vsOwner   map[vsKey]proxy.ServicePortName
+	contested map[vsKey]bool // wanted by more than one service port
+	addrRefs  map[netip.Addr]int
+	entryRefs map[setEntry]int
+	// ours are the virtual servers this backend created or adopted and has
+	// not deleted: the in-memory ownership record.
+	ours map[vsKey]bool
+	// applied holds the scheduler and persistence each virtual server got
+	// from kproxy.
+	applied     map[vsKey]ipvs.Service
+	terminating map[vsKey]*termVS
+	rules       map[ipt.Table]map[string]string
+	ruleCounts  map[string]int
+	shortcut    []string
+	// nodePortAddrs and localAddrs as of the last sync.
+	nodePortAddrs, localAddrs []netip.Addr
+	last                      SyncStats
+}
+
+// termVS holds the real servers of one virtual server that wait at weight
+// 0 for their connections to end, with the time each started waiting.
+type termVS struct {
+	svc   ipvs.Service
+	since map[destKey]time.Time
+}
+
+var _ proxier.Backend = (*Backend)(nil)
+
+// New validates opts and returns a Backend. It touches nothing.
+func New(opts Options) (*Backend, error) {
+	switch {
+	case opts.IPVS == nil:
+		return nil, errors.New("ipvs backend: IPVS is required")
+	case opts.Netlink == nil:
+		return nil, errors.New("ipvs backend: Netlink is required")
+	case opts.IPSet == nil:
+		return nil, errors.New("ipvs backend: IPSet is required")
+	case opts.IPTables == nil:
+		return nil, errors.New("ipvs backend: IPTables is required")
+	case opts.Sysctl == nil:
+		return nil, errors.New("ipvs backend: Sysctl is required")
+	}
+	if opts.Scheduler == "" {
+		opts.Scheduler = ipvs.DefaultScheduler
+	}
+	if err := ValidateScheduler(opts.Scheduler); err != nil {
+		return nil, fmt.Errorf("ipvs backend: %w", err)
+	}
+	bit := 14
+	if opts.MasqueradeBit != nil {
+		bit = *opts.MasqueradeBit
+	}
+	if bit < 0 || bit > 31 {
+		return nil, fmt.Errorf("ipvs backend: masquerade bit %d out of range 0-31", bit)
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"TCP", opts.Timeouts.TCP}, {"TCP FIN", opts.Timeouts.TCPFin}, {"UDP", opts.Timeouts.UDP}} {
+		if d.v < 0 || d.v%time.Second != 0 {
+			return nil, fmt.Errorf("ipvs backend: %s timeout %v must be a non-negative whole number of seconds", d.name, d.v)
+		}
+	}
+	if opts.DummyDevice == "" {
+		opts.DummyDevice = DefaultDummyDevice
+	}
+	if opts.GracefulTerminationTimeout <= 0 {
+		opts.GracefulTerminationTimeout = DefaultGracefulTerminationTimeout
+	}
+	if opts.Clock == nil {
+		opts.Clock = clock.RealClock{}
+	}
+	b := &Backend{
+		opts:     opts,
+		ipvs:     opts.IPVS,
+		nl:       opts.Netlink,
+		ipset:    opts.IPSet,
+		ipt:      opts.IPTables,
+		ipv6:     opts.IPTables.Protocol() == ipt.ProtocolIPv6,
+		device:   opts.DummyDevice,
+		masqMark: fmt.Sprintf("%#x", uint32(1)<<bit),
+		clock:    opts.Clock,
+	}
+	b.reset()
+	return b, nil
+}
+
+// reset forgets what was applied (not the ownership record).
+func (b *Backend) reset() {
+	b.initialized = false
+	b.plans = map[proxy.ServicePortName]*servicePlan{}
+	b.vsWanted = map[vsKey]*virtualServer{}
+	b.vsOwner = map[vsKey]proxy.ServicePortName{}
+	b.contested = map[vsKey]bool{}
+	b.addrRefs = map[netip.Addr]int{}
+	b.entryRefs = map[setEntry]int{}
+	b.applied = map[vsKey]ipvs.Service{}
+	if b.ours == nil {
+		b.ours = map[vsKey]bool{}
+	}
+	if b.terminating == nil {
+		b.terminating = map[vsKey]*termVS{}
+	}
+	b.rules = nil
+	b.shortcut = nil
+}
+
+// ValidateScheduler checks that name could be an IPVS scheduler (lower-case
+// letters and digits, as the kernel's ip_vs_<name> modules are named).
+func ValidateScheduler(name string) error {
+	if name == "" || len(name) > 15 {
+		return fmt.Errorf("invalid IPVS scheduler name %q", name)
+	}
+	for _, c := range name {
+		if (c < 'a' || c > 'z') && (c < '0' || c > '9') {
+			return fmt.Errorf("invalid IPVS scheduler name %q", name)
+		}
+	}
+	return nil
+}
+
+// LastSync returns what the last sync did.
+func (b *Backend) LastSync() SyncStats { return b.last }
+
+// RuleCounts implements proxier.RuleCounter: the iptables rules IPVS mode
+// owns, by table.
+func (b *Backend) RuleCounts() map[string]int { return b.ruleCounts }
+
+// PendingTerminations is the number of real servers waiting at weight 0.
+func (b *Backend) PendingTerminations() int {
+	n := 0
+	for _, t := range b.terminating {
+		n += len(t.since)
+	}
+	return n
+}
+
+// addresses returns this family's local addresses outside the dummy
+// device (loopback excluded) and those of them that take node ports.
+func (b *Backend) addresses(ctx context.Context) (local, nodePort []netip.Addr, err error) {
+	all, err := b.nl.LocalAddresses(ctx, b.device)
+	if err != nil {
+		return nil, nil, fmt.Errorf("listing local addresses: %w", err)
+	}
+	for _, a := range all {
+		if a.Is6() != b.ipv6 || a.Is4In6() || a.IsLoopback() || a.IsUnspecified() {
+			continue
+		}
+		local = append(local, a)
+		if b.opts.NodePortAddresses == nil {
+			nodePort = append(nodePort, a)
+			continue
+		}
+		for _, p := range b.opts.NodePortAddresses {
+			if p.Contains(a) {
+				nodePort = append(nodePort, a)
+				break
+			}
+		}
+	}
+	return local, nodePort, nil
+}
+
+// Sync implements proxier.Backend.
+func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) error {
+	if err := state.Validate(); err != nil {
+		return err
+	}
+	if state.IsIPv6() != b.ipv6 {
+		return fmt.Errorf("ipvs backend for %s given %s state", b.ipt.Protocol(), state.Family)
+	}
+	logger := klog.FromContext(ctx)
+	start := b.clock.Now()
+	local, nodePort, err := b.addresses(ctx)
+	if err != nil {
+		b.initialized = false
+		return err
+	}
+	full = full || !b.initialized || !slices.Equal(local, b.localAddrs) || !slices.Equal(nodePort, b.nodePortAddrs)
+	r := &renderer{ipv6: b.ipv6, scheduler: b.opts.Scheduler, clusterCIDR: b.opts.ClusterCIDR, nodePortAddrs: nodePort, localAddrs: local}
+	st := SyncStats{Full: full}
+	var errs []error
+	if full {
+		errs = b.fullSync(ctx, state, r, &st)
+	} else {
+		errs = b.partialSync(ctx, state, r, &st)
+	}
+	b.localAddrs, b.nodePortAddrs = local, nodePort
+	st.VirtualServers = len(b.vsWanted)
+	st.Terminating = b.PendingTerminations()
+	st.Errors = len(errs)
+	st.Duration = b.clock.Since(start)
+	b.last = st
+	if len(errs) > 0 {
+		b.initialized = false
+		return fmt.Errorf("ipvs sync (%d errors): %w", len(errs), errors.Join(errs...))
+	}
+	if full {
+		b.initialized = true
+	}
+	logger.V(2).Info("Synced IPVS", "family", state.Family, "full", full, "servicePorts", len(b.plans),
+		"virtualServers", st.VirtualServers, "servicesAdded", st.ServicesAdded, "servicesDeleted", st.ServicesDeleted,
+		"destinationsAdded", st.DestinationsAdded, "destinationsDeleted", st.DestinationsDeleted,
+		"entriesAdded", st.EntriesAdded, "entriesDeleted", st.EntriesDeleted, "terminating", st.Terminating)
+	return nil
+}
+
+// sysctls IPVS mode needs: conntrack for IPVS connections (iptables
+// MASQUERADE and the conntrack matches work on them), forwarding,
+// dropping connections whose real server is gone, and expiring persistence
+// templates of quiesced real servers.
+var sysctls = [][2]string{
+	{"net.ipv4.vs.conntrack", "1"},
+	{"net.ipv4.ip_forward", "1"},
+	{"net.ipv4.vs.expire_nodest_conn", "1"},
+	{"net.ipv4.vs.expire_quiescent_template", "1"},
+}
+
+var strictARPSysctls = [][2]string{
+	{"net.ipv4.conf.all.arp_ignore", "1"},
+	{"net.ipv4.conf.all.arp_announce", "2"},
+}
+
+// setSysctls sets what IPVS mode needs; a read-only /proc/sys is logged
+// and tolerated.
+func (b *Backend) setSysctls(ctx context.Context) error {
+	logger := klog.FromContext(ctx)
+	want := sysctls
+	if b.opts.StrictARP {
+		want = append(append([][2]string{}, sysctls...), strictARPSysctls...)
+	}
+	for _, kv := range want {
+		if v, err := b.opts.Sysctl.Get(kv[0]); err == nil && v == kv[1] {
+			continue
+		}
+		if err := b.opts.Sysctl.Set(kv[0], kv[1]); err != nil {
+			if errors.Is(err, syscall.EROFS) {
+				logger.Info("Warning: cannot set a sysctl IPVS mode needs: /proc/sys is read-only", "sysctl", kv[0], "want", kv[1])
+				continue
+			}
+			return err
+		}
+		logger.V(2).Info("Set sysctl", "sysctl", kv[0], "value", kv[1])
+	}
+	return nil
+}
+
+// prepare does what every full sync starts with: sysctls, IPVS timeouts,
+// the dummy device and the sets.
+func (b *Backend) prepare(ctx context.Context) error {
+	if err := b.setSysctls(ctx); err != nil {
+		return err
+	}
+	if t := b.opts.Timeouts; t.TCP != 0 || t.TCPFin != 0 || t.UDP != 0 {
+		if err := b.ipvs.SetTimeouts(ctx, t); err != nil {
+			return err
+		}
+	}
+	if _, err := b.nl.EnsureDummyDevice(ctx, b.device); err != nil {
+		return fmt.Errorf("ensuring dummy device: %w", err)
+	}
+	for _, d := range setDefs {
+		if err := b.ipset.EnsureSet(ctx, ipset.Set{Name: setName(d.base, b.ipv6), Type: d.typ, IPv6: b.ipv6, Comment: d.comment}); err != nil {
+			return fmt.Errorf("ensuring ipset: %w", err)
+		}
+	}
+	return nil
+}
+
+// refCounts tracks reference transitions of addresses or set entries
+// during one sync: what was first seen at zero and ends positive must be
+// added, the reverse removed.
+type refCounts[K comparable] struct {
+	refs   map[K]int
+	before map[K]int
+}
+
+func (c *refCounts[K]) touch(k K) {
+	if _, ok := c.before[k]; !ok {
+		c.before[k] = c.refs[k]
+	}
+}
+
+func (c *refCounts[K]) inc(k K) { c.touch(k); c.refs[k]++ }
+
+func (c *refCounts[K]) dec(k K) {
+	c.touch(k)
+	if c.refs[k]--; c.refs[k] <= 0 {
+		delete(c.refs, k)
+	}
+}
+
+// changes returns what went from zero to positive and back.
+func (c *refCounts[K]) changes() (added, removed []K) {
+	for k, n := range c.before {
+		switch after := c.refs[k]; {
+		case n == 0 && after > 0:
+			added = append(added, k)
+		case n > 0 && after == 0:
+			removed = append(removed, k)
+		}
+	}
+	return added, removed
+}
+
+// addPlan records p's virtual servers, addresses and entries as wanted by
+// name; it returns the virtual servers name now owns.
+func (b *Backend) addPlan(ctx context.Context, name proxy.ServicePortName, p *servicePlan, addrs *refCounts[netip.Addr], entries *refCounts[setEntry]) []*virtualServer {
+	var owned []*virtualServer
+	for _, v := range p.vs {
+		k := keyOf(&v.svc)
+		if other, ok := b.vsOwner[k]; ok && other != name {
+			klog.FromContext(ctx).Error(nil, "Two service ports want the same IPVS virtual server; keeping the first",
+				"virtualServer", k, "kept", other.String(), "ignored", name.String())
+			b.contested[k] = true
+			continue
+		}
+		b.vsOwner[k] = name
+		b.vsWanted[k] = v
+		owned = append(owned, v)
+	}
+	for _, a := range p.addrs {
+		addrs.inc(a)
+	}
+	for _, e := range p.entries {
+		entries.inc(e)
+	}
+	return owned
+}
+
+// removePlan forgets p as wanted by name; it returns the virtual servers
+// name owned.
+func (b *Backend) removePlan(name proxy.ServicePortName, p *servicePlan, addrs *refCounts[netip.Addr], entries *refCounts[setEntry]) []vsKey {
+	var owned []vsKey
+	for _, v := range p.vs {
+		k := keyOf(&v.svc)
+		if b.vsOwner[k] == name {
+			delete(b.vsOwner, k)
+			delete(b.vsWanted, k)
+			owned = append(owned, k)
+		}
+	}
+	for _, a := range p.addrs {
+		addrs.dec(a)
+	}
+	for _, e := range p.entries {
+		entries.dec(e)
+	}
+	return owned
+}
+
+func sortedNames[V any](m map[proxy.ServicePortName]V) []proxy.ServicePortName {
+	names := make([]proxy.ServicePortName, 0, len(m))
+	for n := range m {
+		names = append(names, n)
+	}
+	sort.Slice(names, func(i, j int) bool {
+		return names[i].String()+"/"+string(names[i].Protocol) < names[j].String()+"/"+string(names[j].Protocol)
+	})
+	return names
+}
+
+// shortcutRules are the shortcut rules of every plan, in name order.
+func (b *Backend) shortcutRules() []string {
+	var out []string
+	for _, n := range sortedNames(b.plans) {
+		out = append(out, b.plans[n].shortcut...)
+	}
+	return out
+}
+
+// fullSync rewrites everything from state and removes what kproxy owns and
+// no longer wants. It returns the errors met; it goes on after an error
+// in one service.
+func (b *Backend) fullSync(ctx context.Context, state *proxy.NodeState, r *renderer, st *SyncStats) []error {
+	logger := klog.FromContext(ctx)
+	if err := b.prepare(ctx); err != nil {
+		return []error{err}
+	}
+	// Ownership evidence, read before anything changes.
+	bound, err := b.boundAddresses(ctx)
+	if err != nil {
+		return []error{err}
+	}
+	recorded, err := recordedVS(ctx, b.ipset, b.ipv6)
+	if err != nil {
+		return []error{err}
+	}
+	kernel, err := b.kernelServices(ctx)
+	if err != nil {
+		return []error{err}
+	}
+
+	ours, terminating := b.ours, b.terminating
+	b.reset()
+	b.ours, b.terminating = ours, terminating
+	addrs := &refCounts[netip.Addr]{refs: b.addrRefs, before: map[netip.Addr]int{}}
+	entries := &refCounts[setEntry]{refs: b.entryRefs, before: map[setEntry]int{}}
+	for _, name := range sortedNames(state.Services) {
+		p := r.render(state.Services[name])
+		if p == nil {
+			logger.V(2).Info("Skipping service port with a protocol IPVS cannot carry", "servicePort", name.String(), "protocol", name.Protocol)
+			continue
+		}
+		b.plans[name] = p
+		b.addPlan(ctx, name, p, addrs, entries)
+	}
+
+	var errs []error
+	fail := func(err error) { errs = append(errs, err) }
+	b.shortcut = b.shortcutRules()
+	if err := b.writeRules(ctx, b.renderRules(b.shortcut), true, st); err != nil {
+		fail(err)
+	}
+
+	// Addresses first, so that a new virtual server's packets are local.
+	for _, a := range sortedAddrs(b.addrRefs) {
+		if bound[a] {
+			continue
+		}
+		if _, err := b.nl.EnsureAddressBound(ctx, a, b.device); err != nil {
+			fail(fmt.Errorf("binding %s: %w", a, err))
+			continue
+		}
+		st.AddressesBound++
+	}
+
+	// Set entries are added before the virtual servers they record and
+	// removed after them.
+	addedEntries, removedEntries, setErrs := b.setChanges(ctx)
+	errs = append(errs, setErrs...)
+	errs = append(errs, b.applyEntries(ctx, addedEntries, nil, st)...)
+
+	keys := make([]vsKey, 0, len(b.vsWanted))
+	for k := range b.vsWanted {
+		keys = append(keys, k)
+	}
+	slices.SortFunc(keys, compareKeys)
+	for _, k := range keys {
+		if err := b.ensureVS(ctx, b.vsWanted[k], kernel[k], st); err != nil {
+			fail(fmt.Errorf("service port %s: %w", b.vsOwner[k], err))
+		}
+	}
+	for k, svc := range kernel {
+		if _, ok := b.vsWanted[k]; ok {
+			continue
+		}
+		if !b.ours[k] && !recorded[k] {
+			logger.V(4).Info("Leaving foreign IPVS virtual server alone", "virtualServer", k)
+			continue
+		}
+		if b.excluded(k.addr) {
+			logger.V(2).Info("Not deleting IPVS virtual server inside --ipvs-exclude-cidrs", "virtualServer", k)
+			continue
+		}
+		if err := b.deleteVS(ctx, svc, st); err != nil {
+			b.ours[k] = true // its set entry goes: remember it here
+			fail(err)
+		}
+	}
+	for k := range b.terminating {
+		if _, ok := kernel[k]; !ok {
+			if _, ok := b.vsWanted[k]; !ok {
+				delete(b.terminating, k)
+			}
+		}
+	}
+
+	errs = append(errs, b.applyEntries(ctx, nil, removedEntries, st)...)
+
+	for a := range bound {
+		if b.addrRefs[a] > 0 {
+			continue
+		}
+		if err := b.nl.UnbindAddress(ctx, a, b.device); err != nil {
+			fail(fmt.Errorf("unbinding %s: %w", a, err))
+			continue
+		}
+		st.AddressesUnbound++
+	}
+	return errs
+}
+
+// partialSync rewrites only the services in state.Changed (and services it
+// has not seen), then looks after terminating real servers.
+func (b *Backend) partialSync(ctx context.Context, state *proxy.NodeState, r *renderer, st *SyncStats) []error {
+	logger := klog.FromContext(ctx)
+	changed := func(n types.NamespacedName) bool { return state.Changed.Has(n) }
+	var touched []proxy.ServicePortName
+	for name := range b.plans {
+		if _, ok := state.Services[name]; !ok && changed(name.NamespacedName) {
+			touched = append(touched, name)
+		}
+	}
+	for name := range state.Services {
+		if _, known := b.plans[name]; !known || changed(name.NamespacedName) {
+			touched = append(touched, name)
+		}
+	}
+	sort.Slice(touched, func(i, j int) bool { return touched[i].String() < touched[j].String() })
+
+	addrs := &refCounts[netip.Addr]{refs: b.addrRefs, before: map[netip.Addr]int{}}
+	entries := &refCounts[setEntry]{refs: b.entryRefs, before: map[setEntry]int{}}
+	var ensure []*virtualServer
+	var remove []vsKey
+	shortcutChanged := false
+	for _, name := range touched {
+		old := b.plans[name]
+		var p *servicePlan
+		if s, ok := state.Services[name]; ok {
+			if p = r.render(s); p == nil {
+				logger.V(2).Info("Skipping service port with a protocol IPVS cannot carry", "servicePort", name.String())
+			}
+		}
+		var oldShortcut, newShortcut []string
+		if old != nil {
+			oldShortcut = old.shortcut
+			remove = append(remove, b.removePlan(name, old, addrs, entries)...)
+			delete(b.plans, name)
+		}
+		if p != nil {
+			newShortcut = p.shortcut
+			ensure = append(ensure, b.addPlan(ctx, name, p, addrs, entries)...)
+			b.plans[name] = p
+		}
+		if !slices.Equal(oldShortcut, newShortcut) {
+			shortcutChanged = true
+		}
+	}
+
+	var errs []error
+	fail := func(err error) { errs = append(errs, err) }
+	addedAddrs, removedAddrs := addrs.changes()
+	slices.SortFunc(addedAddrs, netip.Addr.Compare)
+	for _, a := range addedAddrs {
+		if _, err := b.nl.EnsureAddressBound(ctx, a, b.device); err != nil {
+			fail(fmt.Errorf("binding %s: %w", a, err))
+			continue
+		}
+		st.AddressesBound++
+	}
+	addedEntries, removedEntries := entries.changes()
+	errs = append(errs, b.applyEntries(ctx, addedEntries, nil, st)...)
+	touchedVS := map[vsKey]bool{}
+	for _, v := range ensure {
+		k := keyOf(&v.svc)
+		touchedVS[k] = true
+		// The service as kproxy last made it (nil when new); its real
+		// servers are read from the kernel all the same.
+		if err := b.ensureVS(ctx, v, b.previous(k), st); err != nil {
+			fail(fmt.Errorf("service port %s: %w", b.vsOwner[k], err))
+		}
+	}
+	for _, k := range remove {
+		if _, again := b.vsWanted[k]; again {
+			continue // now wanted by the same or another service port
+		}
+		touchedVS[k] = true
+		if b.contested[k] {
+			// Another service port may want it: let a full sync decide.
+			delete(b.contested, k)
+			b.initialized = false
+		}
+		if err := b.deleteVS(ctx, &ipvs.Service{Address: k.addr, Protocol: k.proto, Port: k.port, Scheduler: b.opts.Scheduler}, st); err != nil &&
+			!errors.Is(err, ipvs.ErrNotExist) {
+			fail(err)
+		}
+	}
+	errs = append(errs, b.applyEntries(ctx, nil, removedEntries, st)...)
+	if shortcutChanged {
+		b.shortcut = b.shortcutRules()
+		if err := b.writeRules(ctx, b.renderRules(b.shortcut), false, st); err != nil {
+			fail(err)
+		}
+	}
+	slices.SortFunc(removedAddrs, netip.Addr.Compare)
+	for _, a := range removedAddrs {
+		if err := b.nl.UnbindAddress(ctx, a, b.device); err != nil {
+			fail(fmt.Errorf("unbinding %s: %w", a, err))
+			continue
+		}
+		st.AddressesUnbound++
+	}
+	errs = append(errs, b.processTerminating(ctx, touchedVS, st)...)
+	return errs
+}
+
+// previous is the virtual server k as kproxy last made it in the kernel;
+// nil when unknown.
+func (b *Backend) previous(k vsKey) *ipvs.Service {
+	if v, ok := b.applied[k]; ok {
+		return &v
+	}
+	return nil
+}
+
+func (b *Backend) excluded(a netip.Addr) bool {
+	for _, p := range b.opts.ExcludeCIDRs {
+		if p.Contains(a) {
+			return true
+		}
+	}
+	return false
+}
+
+func compareKeys(a, b vsKey) int {
+	if c := a.addr.Compare(b.addr); c != 0 {
+		return c
+	}
+	if c := strings.Compare(string(a.proto), string(b.proto)); c != 0 {
+		return c
+	}
+	return int(a.port) - int(b.port)
+}
+
+func sortedAddrs(m map[netip.Addr]int) []netip.Addr {
+	out := make([]netip.Addr, 0, len(m))
+	for a := range m {
+		out = append(out, a)
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return out
+}

@@ -1,0 +1,174 @@
+package ipvs
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	testingclock "k8s.io/utils/clock/testing"
+
+	"github.com/kproxy/kproxy/pkg/ipset"
+	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/ipvs"
+	"github.com/kproxy/kproxy/pkg/netlink"
+	"github.com/kproxy/kproxy/pkg/netnstest"
+	"github.com/kproxy/kproxy/proxier"
+	pt "github.com/kproxy/kproxy/proxier/proxiertest"
+)
+
+// The standard workloads of DESIGN §6 (N services with 10 endpoints each,
+// one in ten also a NodePort), programmed through the real engine into the
+// real IPVS, ipsets, dummy device and iptables of a throwaway network
+// namespace inside the VM (the host kernel has no IPVS):
+//
+//	make bench
+//	KPROXY_BENCH_SERVICES="1000 10000" go test -exec "$PWD/hack/ipvs-vm.sh" -run '^$' -bench IPVSSync -benchtime 1x ./proxier/ipvs/
+
+const benchEndpoints = 10
+
+func benchSizes() []int {
+	v := os.Getenv("KPROXY_BENCH_SERVICES")
+	if v == "" {
+		v = "1000"
+	}
+	var out []int
+	for _, f := range strings.Fields(v) {
+		if n, err := strconv.Atoi(f); err == nil && n > 0 {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+func benchObjects(n int) ([]*v1.Service, []*discovery.EndpointSlice) {
+	svcs := make([]*v1.Service, 0, n)
+	slices := make([]*discovery.EndpointSlice, 0, n)
+	for i := 0; i < n; i++ {
+		name := fmt.Sprintf("svc-%05d", i)
+		h := uint32(i)*2654435761 + 7
+		ip := fmt.Sprintf("10.96.%d.%d", (h>>8)&0xff, h&0xff|1)
+		var opts []pt.SvcOpt
+		if i%10 == 0 {
+			opts = append(opts, pt.NodePort(int32(30000+i/10)))
+		}
+		svcs = append(svcs, pt.Service(name, ip, opts...))
+		eps := make([]pt.EP, 0, benchEndpoints)
+		for j := 0; j < benchEndpoints; j++ {
+			k := i*benchEndpoints + j
+			eps = append(eps, pt.EP{IP: fmt.Sprintf("10.%d.%d.%d", 128+k>>16, (k>>8)&0xff, k&0xff), Node: fmt.Sprintf("node-%d", k%1000)})
+		}
+		slices = append(slices, pt.Slice(name, 8080, eps...))
+	}
+	return svcs, slices
+}
+
+type benchKernel struct {
+	ipvs *ipvs.Real
+	nl   *netlink.Real
+	sets *ipset.Real
+	ipt  ipt.Interface
+	ns   string
+}
+
+func newBenchKernel(b *testing.B) *benchKernel {
+	ns := netnstest.New(b, "ipvsbench")
+	// A node address for the node ports.
+	netnstest.Link(b, ns, netip.MustParsePrefix("10.0.0.1/24"), ns, netip.Prefix{})
+	k := &benchKernel{ns: ns.Name}
+	var err error
+	if k.ipvs, err = ipvs.New(ipvs.Options{NetNS: ns.Name}); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = k.ipvs.Close() })
+	if k.nl, err = netlink.New(netlink.Options{NetNS: ns.Name}); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = k.nl.Close() })
+	if k.sets, err = ipset.New(ipset.Options{NetNS: ns.Name}); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = k.sets.Close() })
+	if k.ipt, err = ipt.New(context.Background(), ipt.Options{Protocol: ipt.ProtocolIPv4, NetNS: ns.Name}); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = k.ipt.(*ipt.Real).Close() })
+	return k
+}
+
+func newBenchRig(b *testing.B, k *benchKernel, svcs []*v1.Service, slices []*discovery.EndpointSlice) (*proxier.Engine, *Backend) {
+	backend, err := New(Options{
+		IPVS: k.ipvs, Netlink: k.nl, IPSet: k.sets, IPTables: k.ipt, Sysctl: ProcSysctl{NetNS: k.ns},
+		ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"),
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	e, err := proxier.NewEngine(proxier.EngineOptions{
+		Family: v1.IPv4Protocol, NodeName: "node-0", Backend: backend,
+		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second,
+		Clock: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0)),
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, s := range svcs {
+		e.OnServiceAdd(s)
+	}
+	for _, s := range slices {
+		e.OnEndpointSliceAdd(s)
+	}
+	e.OnServiceSynced()
+	e.OnEndpointSlicesSynced()
+	return e, backend
+}
+
+func timedSync(b *testing.B, e *proxier.Engine) time.Duration {
+	start := time.Now()
+	if err := e.SyncRules(context.Background()); err != nil {
+		b.Fatalf("sync: %v", err)
+	}
+	return time.Since(start)
+}
+
+// BenchmarkIPVSSync measures, per size: the full sync from empty, the first
+// sync of a restarted kproxy over the state the first one left, and a
+// one-endpoint partial sync (median of five).
+func BenchmarkIPVSSync(b *testing.B) {
+	requireVM(b)
+	for _, n := range benchSizes() {
+		b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
+			for i := 0; i < b.N; i++ {
+				k := newBenchKernel(b)
+				svcs, slices := benchObjects(n)
+				e, backend := newBenchRig(b, k, svcs, slices)
+				full := timedSync(b, e)
+				st := backend.LastSync()
+
+				e2, _ := newBenchRig(b, k, svcs, slices)
+				restart := timedSync(b, e2)
+
+				var partials []time.Duration
+				for j := 0; j < 5; j++ {
+					sl := slices[n-1-j].DeepCopy()
+					sl.Endpoints[0].Addresses = []string{fmt.Sprintf("10.250.0.%d", j+1)}
+					e2.OnEndpointSliceUpdate(slices[n-1-j], sl)
+					partials = append(partials, timedSync(b, e2))
+				}
+				sort.Slice(partials, func(i, j int) bool { return partials[i] < partials[j] })
+				b.ReportMetric(full.Seconds(), "full-sync-s")
+				b.ReportMetric(restart.Seconds(), "restart-sync-s")
+				b.ReportMetric(float64(partials[len(partials)/2].Microseconds())/1000, "partial-sync-ms")
+				b.ReportMetric(float64(st.VirtualServers), "virtual-servers")
+				b.ReportMetric(float64(st.DestinationsAdded), "real-servers")
+			}
+		})
+	}
+}

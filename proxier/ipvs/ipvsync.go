@@ -1,0 +1,339 @@
+package ipvs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/kproxy/kproxy/pkg/ipset"
+	"github.com/kproxy/kproxy/pkg/ipvs"
+	"github.com/kproxy/kproxy/pkg/netlink"
+)
+
+// kernelServices lists this family's virtual servers.
+func (b *Backend) kernelServices(ctx context.Context) (map[vsKey]*ipvs.Service, error) {
+	all, err := b.ipvs.Services(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[vsKey]*ipvs.Service, len(all))
+	for _, s := range all {
+		if s.Address.Is6() == b.ipv6 {
+			out[keyOf(s)] = s
+		}
+	}
+	return out, nil
+}
+
+// boundAddresses lists this family's addresses on the dummy device (none
+// when it does not exist).
+func (b *Backend) boundAddresses(ctx context.Context) (map[netip.Addr]bool, error) {
+	addrs, err := b.nl.ListBoundAddresses(ctx, b.device)
+	if errors.Is(err, netlink.ErrNotExist) {
+		return map[netip.Addr]bool{}, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("listing addresses of %s: %w", b.device, err)
+	}
+	out := make(map[netip.Addr]bool, len(addrs))
+	for _, a := range addrs {
+		if a.Is6() == b.ipv6 {
+			out[a] = true
+		}
+	}
+	return out, nil
+}
+
+// recordSets are the sets whose (address, protocol:port) entries name
+// virtual servers: together they record every virtual server kproxy made.
+var recordSets = []string{setClusterIP, setExternalIP, setLoadBalancer, setNodePort}
+
+// recordedVS reads the virtual servers kproxy last recorded in its sets:
+// they are kproxy's. A sync adds a virtual server's entry before creating
+// it and removes the entry after deleting it, so the record covers every
+// virtual server kproxy ever left behind.
+func recordedVS(ctx context.Context, sets ipset.Interface, ipv6 bool) (map[vsKey]bool, error) {
+	out := map[vsKey]bool{}
+	for _, base := range recordSets {
+		entries, err := sets.Entries(ctx, setName(base, ipv6))
+		if errors.Is(err, ipset.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("reading set %s: %w", setName(base, ipv6), err)
+		}
+		for _, e := range entries {
+			if p, ok := setProtocols[e.Protocol]; ok {
+				out[vsKey{e.IP, p, e.Port}] = true
+			}
+		}
+	}
+	return out, nil
+}
+
+var setProtocols = map[string]ipvs.Protocol{
+	ipset.ProtocolTCP: ipvs.ProtocolTCP, ipset.ProtocolUDP: ipvs.ProtocolUDP, ipset.ProtocolSCTP: ipvs.ProtocolSCTP,
+}
+
+// ensureVS makes the kernel's virtual server match v: created when have is
+// nil, its scheduler and persistence updated, its real servers reconciled
+// with graceful termination.
+func (b *Backend) ensureVS(ctx context.Context, v *virtualServer, have *ipvs.Service, st *SyncStats) error {
+	k := keyOf(&v.svc)
+	if have == nil {
+		err := b.ipvs.AddService(ctx, &v.svc)
+		if err == nil {
+			b.ours[k] = true
+			b.applied[k] = v.svc
+			st.ServicesAdded++
+			var errs []error
+			for _, d := range v.dests {
+				if err := b.ipvs.AddDestination(ctx, &v.svc, &ipvs.Destination{Address: d.addr, Port: d.port, Weight: 1}); err != nil {
+					errs = append(errs, err)
+					continue
+				}
+				st.DestinationsAdded++
+			}
+			return errors.Join(errs...)
+		}
+		if !errors.Is(err, ipvs.ErrExist) {
+			return err
+		}
+		have = &ipvs.Service{} // exists already: adopt it, settings unknown
+	}
+	// A kernel service of the same address, protocol and port that kproxy
+	// wants is kproxy's: adopt it.
+	b.ours[k] = true
+	if !v.sameProps(have) {
+		if err := b.ipvs.UpdateService(ctx, &v.svc); err != nil {
+			if !errors.Is(err, ipvs.ErrNotExist) {
+				return err
+			}
+			delete(b.applied, k)
+			return b.ensureVS(ctx, v, nil, st) // deleted behind kproxy's back
+		}
+		st.ServicesUpdated++
+	}
+	b.applied[k] = v.svc
+	dests, err := b.ipvs.Destinations(ctx, &v.svc)
+	if errors.Is(err, ipvs.ErrNotExist) {
+		delete(b.applied, k)
+		return b.ensureVS(ctx, v, nil, st)
+	}
+	if err != nil {
+		return err
+	}
+	return b.reconcileDests(ctx, v, dests, st)
+}
+
+// reconcileDests gives v's real servers weight 1, adds the missing ones and
+// terminates the others gracefully.
+func (b *Backend) reconcileDests(ctx context.Context, v *virtualServer, have []*ipvs.Destination, st *SyncStats) error {
+	k := keyOf(&v.svc)
+	want := make(map[destKey]bool, len(v.dests))
+	for _, d := range v.dests {
+		want[d] = true
+	}
+	var errs []error
+	seen := make(map[destKey]bool, len(have))
+	for _, d := range have {
+		dk := destKey{d.Address, d.Port}
+		seen[dk] = true
+		if !want[dk] {
+			if err := b.terminate(ctx, &v.svc, d, st); err != nil {
+				errs = append(errs, err)
+			}
+			continue
+		}
+		b.clearTerminating(k, dk)
+		if d.Weight != 1 {
+			if err := b.ipvs.UpdateDestination(ctx, &v.svc, &ipvs.Destination{Address: d.Address, Port: d.Port, Weight: 1}); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			st.DestinationsUpdated++
+		}
+	}
+	for _, dk := range v.dests {
+		if seen[dk] {
+			continue
+		}
+		if err := b.ipvs.AddDestination(ctx, &v.svc, &ipvs.Destination{Address: dk.addr, Port: dk.port, Weight: 1}); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		st.DestinationsAdded++
+	}
+	return errors.Join(errs...)
+}
+
+// terminate handles a real server kproxy no longer wants: a UDP one is
+// deleted at once; a TCP or SCTP one gets weight 0 (no new connections) and
+// is deleted when its active and inactive connections are gone, or when it
+// has waited GracefulTerminationTimeout.
+func (b *Backend) terminate(ctx context.Context, svc *ipvs.Service, d *ipvs.Destination, st *SyncStats) error {
+	logger := klog.FromContext(ctx)
+	k, dk := keyOf(svc), destKey{d.Address, d.Port}
+	del := func(why string) error {
+		if err := b.ipvs.DeleteDestination(ctx, svc, d); err != nil && !errors.Is(err, ipvs.ErrNotExist) {
+			return err
+		}
+		st.DestinationsDeleted++
+		b.clearTerminating(k, dk)
+		logger.V(3).Info("Deleted IPVS real server", "virtualServer", k, "realServer", dk, "reason", why)
+		return nil
+	}
+	if svc.Protocol == ipvs.ProtocolUDP {
+		return del("udp")
+	}
+	now := b.clock.Now()
+	t := b.terminating[k]
+	if t == nil {
+		t = &termVS{svc: *svc, since: map[destKey]time.Time{}}
+		b.terminating[k] = t
+	}
+	since, ok := t.since[dk]
+	if !ok {
+		since = now
+		t.since[dk] = now
+	}
+	if d.ActiveConnections+d.InactiveConnections == 0 {
+		return del("no connections left")
+	}
+	if d.Weight != 0 {
+		if err := b.ipvs.UpdateDestination(ctx, svc, &ipvs.Destination{Address: d.Address, Port: d.Port, Weight: 0}); err != nil {
+			return err
+		}
+		st.DestinationsUpdated++
+		logger.V(3).Info("Quiesced IPVS real server", "virtualServer", k, "realServer", dk,
+			"activeConnections", d.ActiveConnections, "inactiveConnections", d.InactiveConnections)
+	}
+	if now.Sub(since) >= b.opts.GracefulTerminationTimeout {
+		return del("graceful termination timeout")
+	}
+	return nil
+}
+
+func (b *Backend) clearTerminating(k vsKey, dk destKey) {
+	if t := b.terminating[k]; t != nil {
+		delete(t.since, dk)
+		if len(t.since) == 0 {
+			delete(b.terminating, k)
+		}
+	}
+}
+
+// processTerminating looks again at the real servers waiting at weight 0
+// in virtual servers this sync did not touch.
+func (b *Backend) processTerminating(ctx context.Context, skip map[vsKey]bool, st *SyncStats) []error {
+	var errs []error
+	for k, t := range b.terminating {
+		if skip[k] {
+			continue
+		}
+		dests, err := b.ipvs.Destinations(ctx, &t.svc)
+		if errors.Is(err, ipvs.ErrNotExist) {
+			delete(b.terminating, k)
+			continue
+		}
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		want := map[destKey]bool{}
+		if v := b.vsWanted[k]; v != nil {
+			for _, d := range v.dests {
+				want[d] = true
+			}
+		}
+		byKey := make(map[destKey]*ipvs.Destination, len(dests))
+		for _, d := range dests {
+			byKey[destKey{d.Address, d.Port}] = d
+		}
+		for dk := range t.since {
+			d, ok := byKey[dk]
+			switch {
+			case !ok:
+				b.clearTerminating(k, dk)
+			case want[dk]:
+				// Wanted again: reconciled by the sync that touches it.
+			default:
+				if err := b.terminate(ctx, &t.svc, d, st); err != nil {
+					errs = append(errs, err)
+				}
+			}
+		}
+	}
+	return errs
+}
+
+// deleteVS deletes a virtual server of kproxy's.
+func (b *Backend) deleteVS(ctx context.Context, svc *ipvs.Service, st *SyncStats) error {
+	k := keyOf(svc)
+	err := b.ipvs.DeleteService(ctx, svc)
+	if err != nil && !errors.Is(err, ipvs.ErrNotExist) {
+		return err
+	}
+	delete(b.ours, k)
+	delete(b.applied, k)
+	delete(b.terminating, k)
+	if err == nil {
+		st.ServicesDeleted++
+	}
+	return err
+}
+
+// setChanges compares every set's entries with those wanted (full sync).
+func (b *Backend) setChanges(ctx context.Context) (added, removed []setEntry, errs []error) {
+	want := map[string]map[ipset.Entry]bool{}
+	for e := range b.entryRefs {
+		if want[e.set] == nil {
+			want[e.set] = map[ipset.Entry]bool{}
+		}
+		want[e.set][e.entry] = true
+	}
+	for _, name := range SetNames(b.ipv6) {
+		have, err := b.ipset.Entries(ctx, name)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		seen := make(map[ipset.Entry]bool, len(have))
+		for _, e := range have {
+			seen[e] = true
+			if !want[name][e] {
+				removed = append(removed, setEntry{name, e})
+			}
+		}
+		for e := range want[name] {
+			if !seen[e] {
+				added = append(added, setEntry{name, e})
+			}
+		}
+	}
+	return added, removed, errs
+}
+
+// applyEntries adds and deletes set entries.
+func (b *Backend) applyEntries(ctx context.Context, added, removed []setEntry, st *SyncStats) []error {
+	var errs []error
+	for _, e := range added {
+		if err := b.ipset.AddEntry(ctx, e.set, e.entry); err != nil {
+			errs = append(errs, fmt.Errorf("adding %s to %s: %w", e.entry, e.set, err))
+			continue
+		}
+		st.EntriesAdded++
+	}
+	for _, e := range removed {
+		if err := b.ipset.DelEntry(ctx, e.set, e.entry); err != nil {
+			errs = append(errs, fmt.Errorf("deleting %s from %s: %w", e.entry, e.set, err))
+			continue
+		}
+		st.EntriesDeleted++
+	}
+	return errs
+}

@@ -1,0 +1,262 @@
+package ipvs
+
+import (
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+
+	v1 "k8s.io/api/core/v1"
+
+	"github.com/kproxy/kproxy/pkg/ipset"
+	"github.com/kproxy/kproxy/pkg/ipvs"
+	"github.com/kproxy/kproxy/pkg/proxy"
+)
+
+// vsKey identifies a virtual server.
+type vsKey struct {
+	addr  netip.Addr
+	proto ipvs.Protocol
+	port  uint16
+}
+
+func keyOf(s *ipvs.Service) vsKey { return vsKey{s.Address, s.Protocol, s.Port} }
+
+func (k vsKey) String() string {
+	return string(k.proto) + " " + netip.AddrPortFrom(k.addr, k.port).String()
+}
+
+// destKey identifies a real server within a virtual server.
+type destKey struct {
+	addr netip.Addr
+	port uint16
+}
+
+func (d destKey) String() string { return netip.AddrPortFrom(d.addr, d.port).String() }
+
+// virtualServer is a virtual server kproxy wants, with its real servers
+// (all of weight 1).
+type virtualServer struct {
+	svc   ipvs.Service
+	dests []destKey // sorted, unique
+}
+
+// sameProps reports whether the kernel's service has the scheduler and
+// persistence kproxy wants.
+func (v *virtualServer) sameProps(k *ipvs.Service) bool {
+	sched := k.Scheduler
+	if sched == "" {
+		sched = ipvs.DefaultScheduler
+	}
+	return sched == v.svc.Scheduler && k.Persistent == v.svc.Persistent && k.Timeout == v.svc.Timeout
+}
+
+// setEntry is one entry of one set (full name).
+type setEntry struct {
+	set   string
+	entry ipset.Entry
+}
+
+// servicePlan is everything one service port needs from the kernel.
+type servicePlan struct {
+	vs    []*virtualServer
+	addrs []netip.Addr // bound to the dummy device
+	// entries are the port's set entries (a set entry may be shared by
+	// several ports: the backend counts references).
+	entries []setEntry
+	// shortcut are rule bodies for chainShortcut (nat).
+	shortcut []string
+}
+
+// renderer turns ServiceStates into plans for one family.
+type renderer struct {
+	ipv6        bool
+	scheduler   string
+	clusterCIDR netip.Prefix
+	// nodePortAddrs are the local addresses that accept node ports.
+	nodePortAddrs []netip.Addr
+	// localAddrs are every local address of the family but the dummy
+	// device's (for source ranges that include the node).
+	localAddrs []netip.Addr
+}
+
+var ipvsProtocols = map[v1.Protocol]ipvs.Protocol{
+	v1.ProtocolTCP: ipvs.ProtocolTCP, v1.ProtocolUDP: ipvs.ProtocolUDP, v1.ProtocolSCTP: ipvs.ProtocolSCTP,
+}
+
+func (r *renderer) set(base string) string { return setName(base, r.ipv6) }
+
+// render returns st's plan; nil for a protocol IPVS cannot carry.
+func (r *renderer) render(st *proxy.ServiceState) *servicePlan {
+	proto, ok := ipvsProtocols[st.Protocol]
+	if !ok {
+		return nil
+	}
+	lp := strings.ToLower(string(st.Protocol))
+	port := uint16(st.Port)
+	p := &servicePlan{}
+	ipPort := func(set string, ip netip.Addr, port uint16) {
+		p.entries = append(p.entries, setEntry{r.set(set), ipset.Entry{IP: ip, Protocol: lp, Port: port}})
+	}
+	newVS := func(addr netip.Addr, port uint16, eps []*proxy.Endpoint) {
+		vs := &virtualServer{svc: ipvs.Service{Address: addr, Protocol: proto, Port: port, Scheduler: r.scheduler}}
+		if st.SessionAffinityClientIP {
+			vs.svc.Persistent = true
+			vs.svc.Timeout = uint32(st.StickyMaxAgeSeconds)
+		}
+		for _, ep := range eps {
+			if ep.IP.Is6() == r.ipv6 && ep.Port > 0 && ep.Port < 65536 {
+				vs.dests = append(vs.dests, destKey{ep.IP, uint16(ep.Port)})
+			}
+		}
+		slices.SortFunc(vs.dests, compareDest)
+		vs.dests = slices.Compact(vs.dests)
+		p.vs = append(p.vs, vs)
+	}
+	name := st.Name.String()
+	pm := "-p " + lp + " -m " + lp + " --dport "
+	external := st.ExternalEndpoints()
+	extLocal := st.ExternalPolicyLocal
+	// Local external policy without a local endpoint drops external
+	// traffic; without any endpoint at all, IPVS itself rejects (a virtual
+	// server without real servers answers ICMP port unreachable).
+	extDrop := extLocal && st.HasAnyEndpoints && !st.HasLocalEndpoints()
+	// Pods and the node reaching a Local external destination use the
+	// cluster endpoints, through the ClusterIP (see chainShortcut).
+	shortcut := extLocal && len(st.ClusterEndpoints) > 0
+	dnat := " -j DNAT --to-destination " + netip.AddrPortFrom(st.ClusterIP, port).String()
+
+	// ClusterIP.
+	newVS(st.ClusterIP, port, st.InternalEndpoints())
+	p.addrs = append(p.addrs, st.ClusterIP)
+	ipPort(setClusterIP, st.ClusterIP, port)
+	if st.InternalPolicyLocal && st.HasAnyEndpoints && !st.HasLocalEndpoints() {
+		ipPort(setInternalDrop, st.ClusterIP, port)
+	}
+
+	// ExternalIPs.
+	for _, ip := range st.ExternalIPs {
+		newVS(ip, port, external)
+		p.addrs = append(p.addrs, ip)
+		ipPort(setExternalIP, ip, port)
+		if extLocal {
+			ipPort(setExternalIPLocal, ip, port)
+		}
+		if extDrop {
+			ipPort(setExternalDrop, ip, port)
+		}
+		if shortcut {
+			p.shortcut = append(p.shortcut, comment(name+" external IP")+" -d "+hostPrefix(ip)+" "+pm+strconv.Itoa(st.Port)+dnat)
+		}
+	}
+
+	// LoadBalancer VIPs.
+	for _, ip := range st.LoadBalancerVIPs {
+		newVS(ip, port, external)
+		p.addrs = append(p.addrs, ip)
+		ipPort(setLoadBalancer, ip, port)
+		if extLocal {
+			ipPort(setLoadBalancerLoc, ip, port)
+		}
+		if extDrop {
+			ipPort(setExternalDrop, ip, port)
+		}
+		if shortcut {
+			p.shortcut = append(p.shortcut, comment(name+" loadbalancer IP")+" -d "+hostPrefix(ip)+" "+pm+strconv.Itoa(st.Port)+dnat)
+		}
+		if len(st.LoadBalancerSourceRanges) == 0 {
+			continue
+		}
+		ipPort(setLoadBalancerFW, ip, port)
+		fromNode := false
+		for _, cidr := range st.LoadBalancerSourceRanges {
+			for _, n := range splitZero(cidr) {
+				p.entries = append(p.entries, setEntry{r.set(setLBSourceCIDR), ipset.Entry{IP: ip, Protocol: lp, Port: port, Net: n}})
+			}
+			for _, a := range r.localAddrs {
+				if cidr.Contains(a) {
+					fromNode = true
+				}
+			}
+		}
+		if fromNode {
+			// The node reaching a VIP bound to a local device uses the VIP
+			// as its source address.
+			p.entries = append(p.entries, setEntry{r.set(setLBSourceIP), ipset.Entry{IP: ip, Protocol: lp, Port: port, IP2: ip}})
+		}
+	}
+
+	// NodePort, on every selected node address.
+	if st.NodePort > 0 && st.NodePort < 65536 {
+		np := uint16(st.NodePort)
+		for _, a := range r.nodePortAddrs {
+			newVS(a, np, external)
+			ipPort(setNodePort, a, np)
+			if extLocal {
+				ipPort(setNodePortLocal, a, np)
+			}
+			if extDrop {
+				ipPort(setExternalDrop, a, np)
+			}
+		}
+		if shortcut && len(r.nodePortAddrs) > 0 {
+			p.shortcut = append(p.shortcut, comment(name+" node port")+" -m set --match-set "+r.set(setNodePortLocal)+" dst,dst "+
+				pm+strconv.Itoa(st.NodePort)+dnat)
+		}
+	}
+	if st.HealthCheckNodePort > 0 && st.HealthCheckNodePort < 65536 {
+		for _, a := range r.nodePortAddrs {
+			p.entries = append(p.entries, setEntry{r.set(setHealthCheckNodeP), ipset.Entry{IP: a, Protocol: ipset.ProtocolTCP, Port: uint16(st.HealthCheckNodePort)}})
+		}
+	}
+
+	// Hairpin: an endpoint that may reach itself through the service
+	// (local, or of unknown node) is masqueraded when it does.
+	for _, ep := range st.AllEndpoints {
+		if (ep.IsLocal || ep.NodeName == "") && ep.IP.Is6() == r.ipv6 && ep.Port > 0 && ep.Port < 65536 {
+			p.entries = append(p.entries, setEntry{r.set(setLoopBack), ipset.Entry{IP: ep.IP, Protocol: lp, Port: uint16(ep.Port), IP2: ep.IP}})
+		}
+	}
+	return p
+}
+
+// splitZero splits a /0 prefix, which ipset refuses, into two halves.
+func splitZero(p netip.Prefix) []netip.Prefix {
+	p = p.Masked()
+	if p.Bits() != 0 {
+		return []netip.Prefix{p}
+	}
+	if p.Addr().Is4() {
+		return []netip.Prefix{netip.MustParsePrefix("0.0.0.0/1"), netip.MustParsePrefix("128.0.0.0/1")}
+	}
+	return []netip.Prefix{netip.MustParsePrefix("::/1"), netip.MustParsePrefix("8000::/1")}
+}
+
+func compareDest(a, b destKey) int {
+	if c := a.addr.Compare(b.addr); c != 0 {
+		return c
+	}
+	return int(a.port) - int(b.port)
+}
+
+func hostPrefix(ip netip.Addr) string {
+	return netip.PrefixFrom(ip, ip.BitLen()).String()
+}
+
+// maxCommentLen is the kernel's limit for -m comment.
+const maxCommentLen = 255
+
+// comment renders a quoted comment match, reduced to printable ASCII
+// without quotes and truncated to the kernel's limit.
+func comment(text string) string {
+	text = strings.Map(func(r rune) rune {
+		if r < 0x20 || r > 0x7e || r == '"' || r == '\\' {
+			return '_'
+		}
+		return r
+	}, text)
+	if len(text) > maxCommentLen {
+		text = text[:maxCommentLen]
+	}
+	return `-m comment --comment "` + text + `"`
+}

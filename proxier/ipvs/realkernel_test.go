@@ -1,0 +1,506 @@
+package ipvs
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	testingclock "k8s.io/utils/clock/testing"
+
+	"github.com/kproxy/kproxy/pkg/ipset"
+	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/ipvs"
+	"github.com/kproxy/kproxy/pkg/netlink"
+	"github.com/kproxy/kproxy/pkg/netnstest"
+	"github.com/kproxy/kproxy/proxier"
+	pt "github.com/kproxy/kproxy/proxier/proxiertest"
+)
+
+// The TestRealKernel* tests run the backend against the real IPVS, ipsets,
+// dummy device and iptables of a throwaway "node" network namespace and send
+// real packets through it:
+//
+//	client 192.0.2.10 ---- 192.0.2.1  node  10.244.0.1 ---- 10.244.0.5 pod (client pod, node-b)
+//	                                        10.244.1.1 ---- 10.244.1.5 be1 (node-a: local)
+//	                                        10.244.2.1 ---- 10.244.2.5 be2 (node-b)
+//
+// Every leaf has a default route via the node. They need a kernel with IPVS:
+// run them in the VM, `go test -exec "$PWD/hack/ipvs-vm.sh" ./proxier/ipvs/`;
+// they skip unless KPROXY_IN_VM=1.
+
+const (
+	realPort     = 8080
+	realNodeName = "node-a"
+)
+
+var (
+	realClientAddr = netip.MustParsePrefix("192.0.2.10/24")
+	realNodeAddr   = netip.MustParsePrefix("192.0.2.1/24")
+)
+
+func requireVM(t testing.TB) {
+	t.Helper()
+	if os.Getenv("KPROXY_IN_VM") != "1" {
+		t.Skip("needs a kernel with IPVS: run with go test -exec hack/ipvs-vm.sh (sets KPROXY_IN_VM=1)")
+	}
+	netnstest.RequireRoot(t)
+}
+
+type realPod struct {
+	ns      *netnstest.NS
+	addr    netip.Addr
+	gateway netip.Addr
+}
+
+type realNode struct {
+	t       *testing.T
+	node    *netnstest.NS
+	client  *netnstest.NS
+	pods    map[string]*realPod // "pod", "be1", "be2"
+	ipvs    *ipvs.Real
+	nl      *netlink.Real
+	sets    *ipset.Real
+	ipt     ipt.Interface
+	backend *Backend
+	engine  *proxier.Engine
+	clock   *testingclock.FakeClock
+}
+
+// newRealNode builds the topology; serve starts each backend's servers.
+func newRealNode(t *testing.T, serve func(name string, ns *netnstest.NS, bind string)) *realNode {
+	t.Helper()
+	requireVM(t)
+	ctx := t.Context()
+	r := &realNode{t: t, pods: map[string]*realPod{}, clock: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))}
+	r.node = netnstest.New(t, "ipvsnode")
+	def := netip.PrefixFrom(netip.IPv4Unspecified(), 0)
+	r.client = netnstest.New(t, "ipvscli")
+	netnstest.Link(t, r.client, realClientAddr, r.node, realNodeAddr)
+	r.client.AddRoute(t, def, realNodeAddr.Addr())
+	for i, name := range []string{"pod", "be1", "be2"} {
+		podAddr := netip.MustParsePrefix(fmt.Sprintf("10.244.%d.5/24", i))
+		gw := netip.MustParsePrefix(fmt.Sprintf("10.244.%d.1/24", i))
+		ns := netnstest.New(t, "ipvs"+name)
+		netnstest.Link(t, ns, podAddr, r.node, gw)
+		ns.AddRoute(t, def, gw.Addr())
+		r.pods[name] = &realPod{ns: ns, addr: podAddr.Addr(), gateway: gw.Addr()}
+		if name != "pod" && serve != nil {
+			serve(name, ns, netip.AddrPortFrom(podAddr.Addr(), realPort).String())
+		}
+	}
+
+	var err error
+	if r.ipvs, err = ipvs.New(ipvs.Options{NetNS: r.node.Name}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.ipvs.Close() })
+	if r.nl, err = netlink.New(netlink.Options{NetNS: r.node.Name}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.nl.Close() })
+	if r.sets, err = ipset.New(ipset.Options{NetNS: r.node.Name}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.sets.Close() })
+	if r.ipt, err = ipt.New(ctx, ipt.Options{Protocol: ipt.ProtocolIPv4, NetNS: r.node.Name}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.ipt.(*ipt.Real).Close() })
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		for _, cmd := range [][]string{{"ipvsadm", "-Ln"}, {"iptables-save"}, {"ipset", "list", "-t"}} {
+			out, err := r.node.Exec(context.Background(), cmd[0], cmd[1:]...)
+			t.Logf("%s (err %v):\n%s", strings.Join(cmd, " "), err, out)
+		}
+	})
+	r.backend, err = New(Options{
+		IPVS: r.ipvs, Netlink: r.nl, IPSet: r.sets, IPTables: r.ipt, Sysctl: ProcSysctl{NetNS: r.node.Name},
+		ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"), Clock: r.clock,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.engine, err = proxier.NewEngine(proxier.EngineOptions{
+		Family: v1.IPv4Protocol, NodeName: realNodeName, Backend: r.backend,
+		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second, Clock: r.clock,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.engine.OnServiceSynced()
+	r.engine.OnEndpointSlicesSynced()
+	return r
+}
+
+func (r *realNode) sync() {
+	r.t.Helper()
+	if err := r.engine.SyncRules(context.Background()); err != nil {
+		r.t.Fatalf("sync: %v", err)
+	}
+}
+
+// slice is an EndpointSlice of service with the named backends.
+func (r *realNode) slice(service string, backends ...string) *discovery.EndpointSlice {
+	var eps []pt.EP
+	for _, b := range backends {
+		node := "node-b"
+		if b == "be1" {
+			node = realNodeName
+		}
+		eps = append(eps, pt.EP{IP: r.pods[b].addr.String(), Node: node})
+	}
+	return pt.Slice(service, realPort, eps...)
+}
+
+// request sends one TCP request from ns to addr and returns the replying
+// backend and the client address it saw.
+func request(ctx context.Context, ns *netnstest.NS, addr string) (backend, seen string, err error) {
+	reply, err := netnstest.Request(ctx, ns, "tcp4", addr)
+	if err != nil {
+		return "", "", err
+	}
+	backend, seen, _ = strings.Cut(reply, " ")
+	return backend, seen, nil
+}
+
+func TestRealKernelServices(t *testing.T) {
+	r := newRealNode(t, func(name string, ns *netnstest.NS, bind string) { ns.StartEcho(t, "tcp4", bind, name) })
+	ctx := t.Context()
+
+	// Foreign virtual servers, made before kproxy starts: another address,
+	// and a node address at a port no Service uses.
+	foreign := []*ipvs.Service{
+		{Address: netip.MustParseAddr("10.97.0.1"), Protocol: ipvs.ProtocolTCP, Port: 80, Scheduler: "rr"},
+		{Address: realNodeAddr.Addr(), Protocol: ipvs.ProtocolTCP, Port: 31999, Scheduler: "rr"},
+	}
+	for _, s := range foreign {
+		if err := r.ipvs.AddService(ctx, s); err != nil {
+			t.Fatal(err)
+		}
+		if err := r.ipvs.AddDestination(ctx, s, &ipvs.Destination{Address: r.pods["be2"].addr, Port: realPort, Weight: 2}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	checkForeign := func(when string) {
+		t.Helper()
+		svcs, err := r.ipvs.Services(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range foreign {
+			if !slices.ContainsFunc(svcs, func(s *ipvs.Service) bool { return keyOf(s) == keyOf(f) }) {
+				t.Errorf("%s: foreign virtual server %s is gone", when, f)
+				continue
+			}
+			ds, err := r.ipvs.Destinations(ctx, f)
+			if err != nil || len(ds) != 1 || ds[0].Weight != 2 {
+				t.Errorf("%s: foreign virtual server %s changed: %v %v", when, f, ds, err)
+			}
+		}
+	}
+
+	r.engine.OnServiceAdd(pt.Service("web", "10.96.0.10", pt.NodePort(30080)))
+	r.engine.OnEndpointSliceAdd(r.slice("web", "be1", "be2"))
+	r.engine.OnServiceAdd(pt.Service("sticky", "10.96.0.11", pt.Affinity(0)))
+	r.engine.OnEndpointSliceAdd(r.slice("sticky", "be1", "be2"))
+	r.engine.OnServiceAdd(pt.Service("empty", "10.96.0.12"))
+	r.sync()
+	r.sync() // a partial sync over the real kernel changes nothing
+	if st := r.backend.LastSync(); st.ServicesAdded+st.ServicesDeleted+st.DestinationsAdded+st.EntriesAdded+st.Restores != 0 {
+		t.Errorf("idle partial sync changed the kernel: %+v", st)
+	}
+	checkForeign("after syncs")
+
+	pod, client := r.pods["pod"], r.client
+	t.Run("clusterIP from a pod reaches both backends, unmasqueraded", func(t *testing.T) {
+		seen := map[string]bool{}
+		for i := 0; i < 4; i++ {
+			be, src, err := request(ctx, pod.ns, "10.96.0.10:80")
+			if err != nil {
+				t.Fatal(err)
+			}
+			seen[be] = true
+			if host, _, _ := net.SplitHostPort(src); host != pod.addr.String() {
+				t.Errorf("%s saw client %s, want the pod's own address %s", be, src, pod.addr)
+			}
+		}
+		if !seen["be1"] || !seen["be2"] {
+			t.Errorf("round robin reached %v, want be1 and be2", seen)
+		}
+	})
+	t.Run("node port from outside reaches both backends, masqueraded", func(t *testing.T) {
+		seen := map[string]bool{}
+		for i := 0; i < 4; i++ {
+			be, src, err := request(ctx, client, netip.AddrPortFrom(realNodeAddr.Addr(), 30080).String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			seen[be] = true
+			host, _, _ := net.SplitHostPort(src)
+			if want := r.pods[be].gateway.String(); host != want {
+				t.Errorf("%s saw client %s, want the node's address %s (masquerade)", be, src, want)
+			}
+		}
+		if !seen["be1"] || !seen["be2"] {
+			t.Errorf("node port reached %v, want be1 and be2", seen)
+		}
+	})
+	t.Run("session affinity holds a client to one backend", func(t *testing.T) {
+		var first string
+		for i := 0; i < 6; i++ {
+			be, _, err := request(ctx, pod.ns, "10.96.0.11:80")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if first == "" {
+				first = be
+			} else if be != first {
+				t.Fatalf("request %d reached %s, earlier ones %s", i, be, first)
+			}
+		}
+	})
+	t.Run("service without endpoints refuses connections", func(t *testing.T) {
+		_, _, err := request(ctx, pod.ns, "10.96.0.12:80")
+		if !errors.Is(err, syscall.ECONNREFUSED) {
+			t.Errorf("request error %v, want ECONNREFUSED", err)
+		}
+	})
+
+	for i := 1; i <= 2; i++ {
+		if err := r.backend.Cleanup(ctx); err != nil {
+			t.Fatalf("cleanup %d: %v", i, err)
+		}
+		checkForeign(fmt.Sprintf("after cleanup %d", i))
+		r.checkNothingOurs(fmt.Sprintf("after cleanup %d", i), len(foreign))
+	}
+}
+
+// checkNothingOurs fails unless the node namespace holds no chain, set,
+// device or virtual server of kproxy's (virtual servers: only the foreign
+// ones remain).
+func (r *realNode) checkNothingOurs(when string, foreign int) {
+	t := r.t
+	t.Helper()
+	ctx := context.Background()
+	for _, table := range []string{"nat", "filter"} {
+		out, err := r.node.Exec(ctx, "iptables-save", "-t", table)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(out), "KPROXY") {
+			t.Errorf("%s: kproxy iptables rules remain in %s:\n%s", when, table, out)
+		}
+	}
+	names, err := r.sets.ListSets(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range names {
+		if strings.HasPrefix(n, "KPROXY-") {
+			t.Errorf("%s: ipset %s remains", when, n)
+		}
+	}
+	if out, err := r.node.Exec(ctx, "ip", "-o", "link", "show"); err != nil || strings.Contains(string(out), DefaultDummyDevice) {
+		t.Errorf("%s: device %s remains (err %v)", when, DefaultDummyDevice, err)
+	}
+	svcs, err := r.ipvs.Services(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(svcs) != foreign {
+		t.Errorf("%s: virtual servers %v, want only the %d foreign ones", when, svcs, foreign)
+	}
+}
+
+// holdServer accepts TCP connections, greets each with its name and then
+// echoes lines until the client closes.
+func holdServer(t *testing.T, ns *netnstest.NS, bind, name string) {
+	l, err := ns.Listen(context.Background(), "tcp4", bind)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []net.Conn
+	wg.Go(func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Go(func() {
+				defer c.Close()
+				if _, err := fmt.Fprintf(c, "%s\n", name); err != nil {
+					return
+				}
+				_, _ = io.Copy(c, c)
+			})
+		}
+	})
+	t.Cleanup(func() {
+		_ = l.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+}
+
+func TestRealKernelGracefulTermination(t *testing.T) {
+	r := newRealNode(t, func(name string, ns *netnstest.NS, bind string) { holdServer(t, ns, bind, name) })
+	ctx := t.Context()
+	full := r.slice("gt", "be1", "be2")
+	r.engine.OnServiceAdd(pt.Service("gt", "10.96.0.20"))
+	r.engine.OnEndpointSliceAdd(full)
+	r.sync()
+
+	pod := r.pods["pod"]
+	conn, err := pod.ns.Dial(ctx, "tcp4", "10.96.0.20:80")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+	rd := bufio.NewReader(conn)
+	greeting, err := rd.ReadString('\n')
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := strings.TrimSpace(greeting)
+	other := map[string]string{"be1": "be2", "be2": "be1"}[held]
+
+	// The held connection's backend leaves the service.
+	r.engine.OnEndpointSliceUpdate(full, r.slice("gt", other))
+	r.sync()
+	vs := &ipvs.Service{Address: netip.MustParseAddr("10.96.0.20"), Protocol: ipvs.ProtocolTCP, Port: 80}
+	weights := func() map[string]int {
+		ds, err := r.ipvs.Destinations(ctx, vs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]int{}
+		for _, d := range ds {
+			for name, p := range r.pods {
+				if p.addr == d.Address {
+					out[name] = d.Weight
+				}
+			}
+		}
+		return out
+	}
+	if got := weights(); got[held] != 0 || got[other] != 1 || len(got) != 2 {
+		t.Fatalf("after removal: weights %v, want %s at 0 and %s at 1", got, held, other)
+	}
+	// The open connection still works.
+	for i := 0; i < 3; i++ {
+		if _, err := fmt.Fprintf(conn, "ping %d\n", i); err != nil {
+			t.Fatalf("held connection: %v", err)
+		}
+		line, err := rd.ReadString('\n')
+		if err != nil || line != fmt.Sprintf("ping %d\n", i) {
+			t.Fatalf("held connection answered %q, %v", line, err)
+		}
+	}
+	// New connections go to the other backend only.
+	for i := 0; i < 4; i++ {
+		c, err := pod.ns.Dial(ctx, "tcp4", "10.96.0.20:80")
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		g, err := bufio.NewReader(c).ReadString('\n')
+		c.Close()
+		if err != nil || strings.TrimSpace(g) != other {
+			t.Fatalf("new connection %d reached %q (%v), want %s", i, g, err, other)
+		}
+	}
+	// Still waiting while the connection is open, one sync later.
+	r.sync()
+	if got := weights(); len(got) != 2 {
+		t.Fatalf("the quiesced real server went while its connection is open: %v", got)
+	}
+	// Closed, and past the upper bound (the closed connection lingers in
+	// IPVS's table for the FIN timeout): the real server goes.
+	conn.Close()
+	r.clock.Step(DefaultGracefulTerminationTimeout)
+	r.sync()
+	if got := weights(); len(got) != 1 || got[other] != 1 {
+		t.Errorf("after the connection ended: weights %v, want only %s", got, other)
+	}
+}
+
+func TestRealKernelPolicies(t *testing.T) {
+	r := newRealNode(t, func(name string, ns *netnstest.NS, bind string) { ns.StartEcho(t, "tcp4", bind, name) })
+	ctx := t.Context()
+	// externalTrafficPolicy Local with its only endpoint on another node.
+	r.engine.OnServiceAdd(pt.Service("loc", "10.96.0.30", pt.NodePort(30090), pt.ExternalLocal()))
+	r.engine.OnEndpointSliceAdd(r.slice("loc", "be2"))
+	// be1 alone behind a service: reaching it from be1 is hairpin.
+	r.engine.OnServiceAdd(pt.Service("self", "10.96.0.31"))
+	r.engine.OnEndpointSliceAdd(r.slice("self", "be1"))
+	// A load balancer VIP open to the client's network only.
+	r.engine.OnServiceAdd(pt.Service("lb", "10.96.0.32", pt.LoadBalancer("203.0.113.5"), pt.SourceRanges("192.0.2.0/25")))
+	r.engine.OnEndpointSliceAdd(r.slice("lb", "be2"))
+	r.sync()
+	r.client.AddRoute(t, netip.MustParsePrefix("203.0.113.0/24"), realNodeAddr.Addr())
+	r.pods["pod"].ns.AddRoute(t, netip.MustParsePrefix("203.0.113.0/24"), r.pods["pod"].gateway)
+
+	short := func(d time.Duration) context.Context {
+		c, cancel := context.WithTimeout(ctx, d)
+		t.Cleanup(cancel)
+		return c
+	}
+	nodePort := netip.AddrPortFrom(realNodeAddr.Addr(), 30090).String()
+	t.Run("Local policy without a local endpoint drops external traffic", func(t *testing.T) {
+		_, _, err := request(short(time.Second), r.client, nodePort)
+		if !errors.Is(err, netnstest.ErrTimeout) {
+			t.Errorf("request error %v, want a timeout (DROP)", err)
+		}
+	})
+	t.Run("pods reach a Local node port through the cluster endpoints, unmasqueraded", func(t *testing.T) {
+		be, src, err := request(ctx, r.pods["pod"].ns, nodePort)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if host, _, _ := net.SplitHostPort(src); be != "be2" || host != r.pods["pod"].addr.String() {
+			t.Errorf("reached %s seeing %s, want be2 seeing the pod's address", be, src)
+		}
+	})
+	t.Run("an endpoint reaching itself through its service is masqueraded", func(t *testing.T) {
+		be, src, err := request(ctx, r.pods["be1"].ns, "10.96.0.31:80")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if host, _, _ := net.SplitHostPort(src); be != "be1" || host != r.pods["be1"].gateway.String() {
+			t.Errorf("reached %s seeing %s, want be1 seeing the node's address %s", be, src, r.pods["be1"].gateway)
+		}
+	})
+	t.Run("loadBalancerSourceRanges admit the listed range and drop the rest", func(t *testing.T) {
+		if be, _, err := request(ctx, r.client, "203.0.113.5:80"); err != nil || be != "be2" {
+			t.Errorf("client in range: reached %q, %v", be, err)
+		}
+		if _, _, err := request(short(time.Second), r.pods["pod"].ns, "203.0.113.5:80"); !errors.Is(err, netnstest.ErrTimeout) {
+			t.Errorf("pod out of range: error %v, want a timeout (DROP)", err)
+		}
+	})
+}
