@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -367,6 +369,133 @@ func checkRBAC(t *testing.T, dyn dynamic.Interface, mapper meta.RESTMapper, objs
 	} {
 		if ok, err := allowed(a); err != nil || ok {
 			t.Errorf("%s may %s %s.%s (err %v): more than kproxy needs", user, a.verb, a.resource, a.group, err)
+		}
+	}
+}
+
+// deployConfigConf returns the config.conf of hack/deploy's ConfigMap.
+func deployConfigConf(t *testing.T) string {
+	t.Helper()
+	for _, obj := range deployObjects(t) {
+		if obj.GetKind() != "ConfigMap" {
+			continue
+		}
+		data, _, err := unstructured.NestedStringMap(obj.Object, "data")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if conf, ok := data["config.conf"]; ok {
+			return conf
+		}
+	}
+	t.Fatal("no ConfigMap with a config.conf in hack/deploy")
+	return ""
+}
+
+// getInNetNS sends GET http://addr+path from inside from's network
+// namespace and returns the status code and body.
+func (e *env) getInNetNS(from, addr, path string) (int, string, error) {
+	ns, err := e.netnsOf(from)
+	if err != nil {
+		return 0, "", err
+	}
+	tr := &http.Transport{DialContext: func(ctx context.Context, network, a string) (net.Conn, error) {
+		return ns.Dial(ctx, network, a)
+	}}
+	defer tr.CloseIdleConnections()
+	ctx, cancel := context.WithTimeout(e.ctx, requestTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+path, nil)
+	if err != nil {
+		return 0, "", err
+	}
+	resp, err := (&http.Client{Transport: tr}).Do(req)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	return resp.StatusCode, string(body), err
+}
+
+// TestKproxyConfigFile runs kproxy on one node as the DaemonSet does, with
+// --config holding hack/deploy's config.conf, changed in one way the test
+// can observe: the metrics port. kproxy must load the file without a
+// warning, serve metrics on the file's port (and not on the default one),
+// and route Services as before. The cluster's own flags (--kubeconfig,
+// --cluster-cidr, --proxy-mode) stay and override the file.
+func TestKproxyConfigFile(t *testing.T) {
+	const (
+		node        = 2
+		filePort    = "10349"
+		defaultPort = "10249"
+	)
+	e := newEnv(t)
+	conf := deployConfigConf(t)
+	changed := strings.Replace(conf, "metricsBindAddress: 127.0.0.1:"+defaultPort, "metricsBindAddress: 127.0.0.1:"+filePort, 1)
+	if changed == conf {
+		t.Fatalf("hack/deploy's config.conf has no metricsBindAddress: 127.0.0.1:%s line to change:\n%s", defaultPort, conf)
+	}
+	path := filepath.Join(t.TempDir(), "config.conf")
+	if err := os.WriteFile(path, []byte(changed), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	pods := e.deploy(workload{name: "web", replicas: 2})
+	svc := e.createService("web", map[string]string{"app": "web"})
+	e.waitEndpoints(svc.Name, "2 ready", readyCount(2))
+	clusterIP := hostPort(svc.Spec.ClusterIP, servicePort)
+
+	name := nodeName(node)
+	offset := logSize(e.c.KproxyLog(name))
+	if err := e.c.StopKproxy(e.ctx, name); err != nil {
+		e.fatalf("stopping kproxy on %s: %v", name, err)
+	}
+	// Whatever happens, the node gets its usual kproxy back (no --config)
+	// for the other tests.
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if err := e.c.StopKproxy(ctx, name); err != nil {
+			t.Errorf("stopping kproxy on %s: %v", name, err)
+		}
+		if err := e.c.StartKproxy(ctx, name); err != nil {
+			t.Errorf("restarting kproxy on %s: %v", name, err)
+		}
+	})
+	if err := e.c.StartKproxy(e.ctx, name, "--config="+path); err != nil {
+		e.fatalf("starting kproxy on %s with --config: %v", name, err)
+	}
+	e.kproxySynced(name, offset)
+
+	e.eventually("metrics on the config file's port", programTimeout, func() error {
+		code, body, err := e.getInNetNS(name, "127.0.0.1:"+filePort, "/proxyMode")
+		if err != nil {
+			return err
+		}
+		if code != http.StatusOK || body != e.c.Mode() {
+			return fmt.Errorf("/proxyMode answered %d %q, want 200 %q", code, body, e.c.Mode())
+		}
+		return nil
+	})
+	if _, _, err := e.getInNetNS(name, "127.0.0.1:"+defaultPort, "/proxyMode"); err == nil {
+		e.fatalf("a metrics server still answers on the default port %s: the file's metricsBindAddress was not used", defaultPort)
+	}
+	e.expectTraffic(name, "tcp", clusterIP, 20, expect{all: names(pods, "")})
+
+	logged, err := os.ReadFile(e.c.KproxyLog(name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if int64(len(logged)) >= offset {
+		logged = logged[offset:]
+	}
+	if !strings.Contains(string(logged), `"Loaded the config file"`) {
+		t.Errorf("kproxy's log on %s does not show the config file loaded", name)
+	}
+	for line := range strings.SplitSeq(string(logged), "\n") {
+		if strings.Contains(line, "not honoured") {
+			t.Errorf("kproxy warned about hack/deploy's config.conf: %s", line)
 		}
 	}
 }
