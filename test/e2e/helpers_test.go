@@ -1,12 +1,15 @@
 package e2e
 
 import (
+	"maps"
 	"net/netip"
 	"regexp"
 	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	v1 "k8s.io/api/core/v1"
 )
 
 // The suite's own helpers; these run without a cluster (and without root).
@@ -141,5 +144,125 @@ func TestChildArgs(t *testing.T) {
 				t.Errorf("childArgs = %q, %v; want %q, error %v", got, err, tc.want, tc.wantErr)
 			}
 		})
+	}
+}
+
+func TestMetricValue(t *testing.T) {
+	const exposition = `# HELP kubeproxy_sync_proxy_rules_last_timestamp_seconds The last time proxy rules were successfully synced
+# TYPE kubeproxy_sync_proxy_rules_last_timestamp_seconds gauge
+kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family="IPv4"} 1.7e+09
+kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family="IPv6"} 1.6e+09
+kubeproxy_sync_proxy_rules_endpoint_changes_total 42
+kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family="IPv4",le="0.001"} 3
+kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family="IPv4"} 17 1700000000000
+kproxy_build_info{mode="iptables",version="v1 \"dev\", x"} 1
+`
+	cases := []struct {
+		name      string
+		metric    string
+		labels    map[string]string
+		want      float64
+		wantFound bool
+		wantErr   bool
+	}{
+		{name: "labelled", metric: "kubeproxy_sync_proxy_rules_last_timestamp_seconds", labels: map[string]string{"ip_family": "IPv6"}, want: 1.6e9, wantFound: true},
+		{name: "no labels", metric: "kubeproxy_sync_proxy_rules_endpoint_changes_total", want: 42, wantFound: true},
+		{name: "with a timestamp", metric: "kubeproxy_sync_proxy_rules_duration_seconds_count", labels: map[string]string{"ip_family": "IPv4"}, want: 17, wantFound: true},
+		{name: "escaped label value", metric: "kproxy_build_info", labels: map[string]string{"version": `v1 "dev", x`}, want: 1, wantFound: true},
+		{name: "a prefix of a name is not the name", metric: "kubeproxy_sync_proxy_rules_duration_seconds"},
+		{name: "no sample with the labels", metric: "kubeproxy_sync_proxy_rules_last_timestamp_seconds", labels: map[string]string{"ip_family": "IPv5"}},
+		{name: "more than one match", metric: "kubeproxy_sync_proxy_rules_last_timestamp_seconds", wantErr: true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, found, err := metricValue(exposition, tc.metric, tc.labels)
+			if (err != nil) != tc.wantErr || found != tc.wantFound || got != tc.want {
+				t.Errorf("metricValue(%s, %v) = %v, %v, %v; want %v, %v, error %v", tc.metric, tc.labels, got, found, err, tc.want, tc.wantFound, tc.wantErr)
+			}
+		})
+	}
+}
+
+func TestParseProxyHealth(t *testing.T) {
+	cases := []struct {
+		name         string
+		body         string
+		wantEligible *bool
+		wantErr      bool
+	}{
+		{name: "healthz", body: `{"lastUpdated":"2026-01-02T03:04:05Z","currentTime":"2026-01-02T03:04:05Z","nodeEligible":false,"healthy":true}`, wantEligible: new(false)},
+		{name: "livez", body: `{"lastUpdated":"2026-01-02T03:04:00Z","currentTime":"2026-01-02T03:04:05Z","healthy":false}`},
+		{name: "no lastUpdated", body: `{"currentTime":"2026-01-02T03:04:05Z"}`, wantErr: true},
+		{name: "no currentTime", body: `{"lastUpdated":"2026-01-02T03:04:05Z"}`, wantErr: true},
+		{name: "updated in the future", body: `{"lastUpdated":"2026-01-02T03:04:06Z","currentTime":"2026-01-02T03:04:05Z"}`, wantErr: true},
+		{name: "not JSON", body: `ok`, wantErr: true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := parseProxyHealth([]byte(tc.body))
+			if (err != nil) != tc.wantErr {
+				t.Fatalf("parseProxyHealth(%s) error %v, want error %v", tc.body, err, tc.wantErr)
+			}
+			if err == nil && (got.NodeEligible == nil) != (tc.wantEligible == nil) ||
+				got.NodeEligible != nil && tc.wantEligible != nil && *got.NodeEligible != *tc.wantEligible {
+				t.Errorf("parseProxyHealth(%s).NodeEligible = %v, want %v", tc.body, got.NodeEligible, tc.wantEligible)
+			}
+		})
+	}
+}
+
+func TestParseServiceHealth(t *testing.T) {
+	cases := []struct {
+		name      string
+		body      string
+		wantCount int
+		wantErr   bool
+	}{
+		{name: "with endpoints", body: `{"service":{"namespace":"ns","name":"web"},"localEndpoints":2,"serviceProxyHealthy":true}`, wantCount: 2},
+		{name: "without", body: `{"service":{"namespace":"ns","name":"web"},"localEndpoints":0}`},
+		{name: "no count", body: `{"service":{"namespace":"ns","name":"web"}}`, wantErr: true},
+		{name: "no service name", body: `{"service":{"namespace":"ns"},"localEndpoints":1}`, wantErr: true},
+		{name: "not JSON", body: `health check closed`, wantErr: true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := parseServiceHealth([]byte(tc.body))
+			if (err != nil) != tc.wantErr || got.LocalEndpoints != tc.wantCount {
+				t.Errorf("parseServiceHealth(%s) = %+v, %v; want localEndpoints %d, error %v", tc.body, got, err, tc.wantCount, tc.wantErr)
+			}
+		})
+	}
+}
+
+func TestKproxyLogSynced(t *testing.T) {
+	const earlier = `I1 "Starting kproxy" node="node-1"` + "\n" + `I2 "Synced" full=true` + "\n"
+	cases := []struct {
+		name    string
+		log     string
+		offset  int64
+		wantErr bool
+	}{
+		{name: "started and synced", log: earlier},
+		{name: "only an earlier run synced", log: earlier + `I3 "Starting kproxy"` + "\n", offset: int64(len(earlier)), wantErr: true},
+		{name: "not started", log: earlier, offset: int64(len(earlier)), wantErr: true},
+		{name: "a sync before the start does not count", log: `I2 "Synced"` + "\n" + `I3 "Starting kproxy"` + "\n", wantErr: true},
+		{name: "a replaced log is read from the start", log: earlier, offset: 1 << 20},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			if err := kproxyLogSynced([]byte(tc.log), tc.offset); (err != nil) != tc.wantErr {
+				t.Errorf("kproxyLogSynced = %v, want error %v", err, tc.wantErr)
+			}
+		})
+	}
+}
+
+func TestEventCounts(t *testing.T) {
+	ev := func(host string, count int32) v1.Event {
+		return v1.Event{Source: v1.EventSource{Component: "kproxy", Host: host}, Count: count}
+	}
+	got := eventCounts([]v1.Event{ev("node-1", 1), ev("node-2", 3), ev("node-1", 0), ev("node-3", 1)})
+	if want := map[string]int{"node-1": 2, "node-2": 3, "node-3": 1}; !maps.Equal(got, want) {
+		t.Errorf("eventCounts = %v, want %v", got, want)
 	}
 }
