@@ -555,7 +555,15 @@ func (b *Backend) fullSync(ctx context.Context, state *proxy.NodeState, r *rende
 		fail(err)
 	}
 
-	// Addresses first, so that a new virtual server's packets are local.
+	// Set entries are added before the addresses and virtual servers they
+	// record (so that a newly bound address is covered by the filter that
+	// rejects its other ports from the start) and removed after them.
+	addedEntries, removedEntries, setErrs := b.setChanges(ctx)
+	errs = append(errs, setErrs...)
+	errs = append(errs, b.applyEntries(ctx, addedEntries, nil, st)...)
+
+	// Addresses before virtual servers, so that a new virtual server's
+	// packets are local.
 	for _, a := range sortedAddrs(b.addrRefs) {
 		if bound[a] {
 			continue
@@ -566,12 +574,6 @@ func (b *Backend) fullSync(ctx context.Context, state *proxy.NodeState, r *rende
 		}
 		st.AddressesBound++
 	}
-
-	// Set entries are added before the virtual servers they record and
-	// removed after them.
-	addedEntries, removedEntries, setErrs := b.setChanges(ctx)
-	errs = append(errs, setErrs...)
-	errs = append(errs, b.applyEntries(ctx, addedEntries, nil, st)...)
 
 	keys := make([]vsKey, 0, len(b.vsWanted))
 	for k := range b.vsWanted {
@@ -608,8 +610,6 @@ func (b *Backend) fullSync(ctx context.Context, state *proxy.NodeState, r *rende
 		}
 	}
 
-	errs = append(errs, b.applyEntries(ctx, nil, removedEntries, st)...)
-
 	for a := range bound {
 		if b.addrRefs[a] > 0 {
 			continue
@@ -620,6 +620,7 @@ func (b *Backend) fullSync(ctx context.Context, state *proxy.NodeState, r *rende
 		}
 		st.AddressesUnbound++
 	}
+	errs = append(errs, b.applyEntries(ctx, nil, removedEntries, st)...)
 	return errs
 }
 
@@ -672,6 +673,10 @@ func (b *Backend) partialSync(ctx context.Context, state *proxy.NodeState, r *re
 
 	var errs []error
 	fail := func(err error) { errs = append(errs, err) }
+	// Set entries before the addresses and virtual servers they record,
+	// removed after them (see fullSync).
+	addedEntries, removedEntries := entries.changes()
+	errs = append(errs, b.applyEntries(ctx, addedEntries, nil, st)...)
 	addedAddrs, removedAddrs := addrs.changes()
 	slices.SortFunc(addedAddrs, netip.Addr.Compare)
 	for _, a := range addedAddrs {
@@ -681,8 +686,6 @@ func (b *Backend) partialSync(ctx context.Context, state *proxy.NodeState, r *re
 		}
 		st.AddressesBound++
 	}
-	addedEntries, removedEntries := entries.changes()
-	errs = append(errs, b.applyEntries(ctx, addedEntries, nil, st)...)
 	touchedVS := map[vsKey]bool{}
 	for _, v := range ensure {
 		k := keyOf(&v.svc)
@@ -708,7 +711,6 @@ func (b *Backend) partialSync(ctx context.Context, state *proxy.NodeState, r *re
 			fail(err)
 		}
 	}
-	errs = append(errs, b.applyEntries(ctx, nil, removedEntries, st)...)
 	if shortcutChanged {
 		b.shortcut = b.shortcutRules()
 		if err := b.writeRules(ctx, b.renderRules(b.shortcut), false, st); err != nil {
@@ -723,6 +725,7 @@ func (b *Backend) partialSync(ctx context.Context, state *proxy.NodeState, r *re
 		}
 		st.AddressesUnbound++
 	}
+	errs = append(errs, b.applyEntries(ctx, nil, removedEntries, st)...)
 	errs = append(errs, b.processTerminating(ctx, touchedVS, st)...)
 	return errs
 }

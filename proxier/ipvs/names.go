@@ -34,6 +34,11 @@ const (
 	chainInput        = ChainPrefix + "INPUT"         // drops before IPVS (LOCAL_IN runs after filter INPUT)
 	chainSourceRanges = ChainPrefix + "SOURCE-RANGES" // loadBalancerSourceRanges
 	chainForward      = ChainPrefix + "FORWARD"
+	// chainFilter rejects new connections to an address on the dummy
+	// device at a port no Service uses (upstream's KUBE-IPVS-FILTER): the
+	// VIPs are local addresses, so a host process listening on a wildcard
+	// address would otherwise answer on every VIP.
+	chainFilter = ChainPrefix + "FILTER"
 )
 
 // ipset names. Every set kproxy creates starts with "KPROXY-"; an IPv6
@@ -53,6 +58,7 @@ const (
 	setInternalDrop     = "KPROXY-INTERNAL-DROP"          // hash:ip,port: ClusterIPs of iTP=Local without local endpoints
 	setExternalDrop     = "KPROXY-EXTERNAL-DROP"          // hash:ip,port: external destinations of eTP=Local without local endpoints
 	setHealthCheckNodeP = "KPROXY-HEALTH-CHECK-NODE-PORT" // hash:ip,port: node address,tcp:healthCheckNodePort
+	setIPVSAddresses    = "KPROXY-IPVS-IPS"               // hash:ip: every address kproxy binds to the dummy device
 )
 
 // setDef is one set IPVS mode uses, for one family.
@@ -78,6 +84,7 @@ var setDefs = []setDef{
 	{setInternalDrop, ipset.HashIPPort, "kproxy cluster IP + port without local endpoints (internalTrafficPolicy=Local)"},
 	{setExternalDrop, ipset.HashIPPort, "kproxy external destination without local endpoints (externalTrafficPolicy=Local)"},
 	{setHealthCheckNodeP, ipset.HashIPPort, "kproxy node address + health check node port"},
+	{setIPVSAddresses, ipset.HashIP, "kproxy addresses bound to the IPVS dummy device"},
 }
 
 // setName is the name of base for the family.

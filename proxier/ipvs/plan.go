@@ -210,6 +210,12 @@ func (r *renderer) render(st *proxy.ServiceState) *servicePlan {
 		}
 	}
 
+	// Every address bound to the dummy device, for the filter that
+	// rejects its other ports.
+	for _, a := range p.addrs {
+		p.entries = append(p.entries, setEntry{r.set(setIPVSAddresses), ipset.Entry{IP: a}})
+	}
+
 	// Hairpin: an endpoint that may reach itself through the service
 	// (local, or of unknown node) is masqueraded when it does.
 	for _, ep := range st.AllEndpoints {

@@ -281,6 +281,27 @@ func TestRealKernelServices(t *testing.T) {
 		}
 	})
 
+	t.Run("a node process on a wildcard address is not reachable at a cluster IP's other port", func(t *testing.T) {
+		const port = 9090
+		r.node.StartEcho(t, "tcp4", fmt.Sprintf("0.0.0.0:%d", port), "node")
+		// The listener answers on the node's own address...
+		if who, _, err := request(ctx, pod.ns, netip.AddrPortFrom(pod.gateway, port).String()); err != nil || who != "node" {
+			t.Fatalf("node address: reached %q, %v; want the node's listener", who, err)
+		}
+		// ...but not on the ClusterIP, which is local on the dummy device:
+		// KPROXY-IPVS-FILTER rejects it.
+		if _, _, err := request(ctx, pod.ns, fmt.Sprintf("10.96.0.10:%d", port)); !errors.Is(err, syscall.ECONNREFUSED) {
+			t.Errorf("cluster IP at the listener's port: error %v, want ECONNREFUSED", err)
+		}
+		if _, _, err := request(ctx, client, fmt.Sprintf("10.96.0.10:%d", port)); !errors.Is(err, syscall.ECONNREFUSED) {
+			t.Errorf("cluster IP from outside at the listener's port: error %v, want ECONNREFUSED", err)
+		}
+		// The service port still works.
+		if be, _, err := request(ctx, pod.ns, "10.96.0.10:80"); err != nil || (be != "be1" && be != "be2") {
+			t.Errorf("service port: reached %q, %v", be, err)
+		}
+	})
+
 	for i := 1; i <= 2; i++ {
 		if err := r.backend.Cleanup(ctx); err != nil {
 			t.Fatalf("cleanup %d: %v", i, err)

@@ -27,6 +27,7 @@ var jumpRules = []jumpRule{
 	jump(ipt.TableNAT, ipt.ChainOutput, "kproxy ipvs service portals", chainServices),
 	jump(ipt.TableNAT, ipt.ChainPostrouting, "kproxy ipvs postrouting rules", chainPostrouting),
 	jump(ipt.TableFilter, ipt.ChainInput, "kproxy ipvs input filter", chainInput),
+	jump(ipt.TableFilter, ipt.ChainInput, "kproxy ipvs access filter", chainFilter),
 	jump(ipt.TableFilter, ipt.ChainForward, "kproxy ipvs forwarding rules", chainForward),
 }
 
@@ -113,6 +114,19 @@ func (b *Backend) renderRules(shortcut []string) ruleSet {
 			comment("kproxy allowed source ranges") + " " + match(setLBSourceCIDR, "dst,dst,src") + " -j RETURN",
 			comment("kproxy node reaching its own load balancer IP") + " " + match(setLBSourceIP, "dst,dst,src") + " -j RETURN",
 			comment("kproxy load balancer traffic from other sources") + " -j DROP",
+		},
+		// New connections to a dummy-device address at a port that is
+		// not a service's are rejected (the entries of these sets are
+		// exactly the virtual servers on the dummy device; node ports are
+		// on other addresses). Health check node ports are on node
+		// addresses and cannot match; they RETURN as upstream's do.
+		chainFilter: {
+			comment("kproxy cluster IPs") + " " + match(setClusterIP, "dst,dst") + " -j RETURN",
+			comment("kproxy external IPs") + " " + match(setExternalIP, "dst,dst") + " -j RETURN",
+			comment("kproxy load balancer IPs") + " " + match(setLoadBalancer, "dst,dst") + " -j RETURN",
+			comment("kproxy health check node ports") + " " + match(setHealthCheckNodeP, "dst,dst") + " -j RETURN",
+			comment("kproxy: other ports of addresses on the IPVS dummy device") + " -m conntrack --ctstate NEW " +
+				match(setIPVSAddresses, "dst") + " -j REJECT",
 		},
 		chainForward: {
 			comment("kproxy: drop invalid conntrack state") + " -m conntrack --ctstate INVALID -j DROP",

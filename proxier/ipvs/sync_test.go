@@ -198,7 +198,8 @@ func TestPartialSyncs(t *testing.T) {
 				h.engine.OnServiceAdd(s)
 				h.engine.OnEndpointSliceAdd(sl)
 			},
-			want: SyncStats{ServicesAdded: 2, DestinationsAdded: 2, EntriesAdded: 2, AddressesBound: 1},
+			// CLUSTER-IP, NODE-PORT and IPVS-IPS entries.
+			want: SyncStats{ServicesAdded: 2, DestinationsAdded: 2, EntriesAdded: 3, AddressesBound: 1},
 			flows: []pt.Flow{{Name: "new", Source: "192.0.2.10", Dest: "10.0.0.1", Port: 30060, Want: pt.Delivered,
 				WantEndpoints: []string{"10.244.2.61:8080"}, WantMasquerade: true}},
 		},
@@ -208,7 +209,7 @@ func TestPartialSyncs(t *testing.T) {
 				s, _ := svcN(5)
 				h.engine.OnServiceDelete(s)
 			},
-			want: SyncStats{ServicesDeleted: 2, EntriesDeleted: 2, AddressesUnbound: 1},
+			want: SyncStats{ServicesDeleted: 2, EntriesDeleted: 3, AddressesUnbound: 1},
 			flows: []pt.Flow{
 				{Name: "gone", Source: "10.244.1.9", Dest: "10.96.0.6", Port: 80, Want: pt.NotHandled},
 				{Name: "node port gone", Source: "192.0.2.10", Dest: "10.0.0.1", Port: 30005, Want: pt.NotHandled},
@@ -387,7 +388,7 @@ func TestRestartOverExistingState(t *testing.T) {
 	h2 := newHarness(t, k, Options{})
 	addServices(h2, 4)
 	st := h2.sync()
-	want := SyncStats{Full: true, ServicesDeleted: 2, EntriesDeleted: 2, AddressesUnbound: 1}
+	want := SyncStats{Full: true, ServicesDeleted: 2, EntriesDeleted: 3, AddressesUnbound: 1}
 	st.Duration, st.VirtualServers, st.Terminating, st.Restores = 0, 0, 0, 0
 	if st != want {
 		t.Errorf("first sync after restart did %+v, want %+v", st, want)
