@@ -3,7 +3,12 @@
 // servers are the service's endpoints; the VIPs are bound to a dummy device
 // so that their packets are local and reach IPVS; a small, constant set of
 // iptables rules matching ipsets decides masquerading, Local-policy drops
-// and loadBalancerSourceRanges.
+// and loadBalancerSourceRanges. Because the VIPs are local addresses, a
+// host process listening on a wildcard address would answer on every VIP
+// at its own port: KPROXY-IPVS-FILTER (filter INPUT) rejects new
+// connections to an address of the KPROXY-IPVS-IPS set (every address on
+// the dummy device) unless its (address, protocol:port) is a ClusterIP,
+// ExternalIP or LoadBalancer service port, as upstream's KUBE-IPVS-FILTER.
 //
 // # What kproxy owns
 //
@@ -35,13 +40,19 @@
 // external destination of an externalTrafficPolicy=Local service are
 // short-circuited to the cluster endpoints, as in iptables mode: a DNAT to
 // the ClusterIP virtual server (upstream IPVS mode sends them to the local
-// endpoints only).
+// endpoints only). When internalTrafficPolicy is Local too, that virtual
+// server has the local endpoints only, so the short circuit goes instead to
+// a nat chain of the port's own (KPROXY-IPVS-CL-<hash>) that DNATs to the
+// cluster endpoints with statistic rules, as iptables mode does; with
+// ClientIP affinity it keeps using the ClusterIP virtual server (local
+// endpoints), whose persistence those rules could not give.
 package ipvs
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 	"sort"
@@ -656,17 +667,18 @@ func (b *Backend) partialSync(ctx context.Context, state *proxy.NodeState, r *re
 			}
 		}
 		var oldShortcut, newShortcut []string
+		var oldChains, newChains map[string][]string
 		if old != nil {
-			oldShortcut = old.shortcut
+			oldShortcut, oldChains = old.shortcut, old.chains
 			remove = append(remove, b.removePlan(name, old, addrs, entries)...)
 			delete(b.plans, name)
 		}
 		if p != nil {
-			newShortcut = p.shortcut
+			newShortcut, newChains = p.shortcut, p.chains
 			ensure = append(ensure, b.addPlan(ctx, name, p, addrs, entries)...)
 			b.plans[name] = p
 		}
-		if !slices.Equal(oldShortcut, newShortcut) {
+		if !slices.Equal(oldShortcut, newShortcut) || !maps.EqualFunc(oldChains, newChains, slices.Equal) {
 			shortcutChanged = true
 		}
 	}

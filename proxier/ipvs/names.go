@@ -1,9 +1,12 @@
 package ipvs
 
 import (
+	"crypto/sha256"
+	"encoding/base32"
 	"strings"
 
 	"github.com/kproxy/kproxy/pkg/ipset"
+	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
 // DefaultDummyDevice is the dummy device that holds every ClusterIP,
@@ -40,6 +43,16 @@ const (
 	// address would otherwise answer on every VIP.
 	chainFilter = ChainPrefix + "FILTER"
 )
+
+// clusterChain names the nat chain that spreads pods' and the node's
+// traffic to the Local external destinations of a service port with both
+// traffic policies Local over its cluster endpoints: 13 base32 characters
+// of a hash of the port name and protocol (28 characters in all, the
+// kernel's limit).
+func clusterChain(name proxy.ServicePortName) string {
+	sum := sha256.Sum256([]byte(name.String() + "/" + strings.ToLower(string(name.Protocol))))
+	return ChainPrefix + "CL-" + base32.StdEncoding.EncodeToString(sum[:])[:13]
+}
 
 // ipset names. Every set kproxy creates starts with "KPROXY-"; an IPv6
 // set's name ends in "6". Names stay within ipset.MaxNameLength.

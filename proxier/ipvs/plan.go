@@ -1,6 +1,7 @@
 package ipvs
 
 import (
+	"fmt"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -66,6 +67,8 @@ type servicePlan struct {
 	entries []setEntry
 	// shortcut are rule bodies for chainShortcut (nat).
 	shortcut []string
+	// chains are the port's own nat chains (clusterChain), by name.
+	chains map[string][]string
 }
 
 // renderer turns ServiceStates into plans for one family.
@@ -125,6 +128,16 @@ func (r *renderer) render(st *proxy.ServiceState) *servicePlan {
 	// cluster endpoints, through the ClusterIP (see chainShortcut).
 	shortcut := extLocal && len(st.ClusterEndpoints) > 0
 	dnat := " -j DNAT --to-destination " + netip.AddrPortFrom(st.ClusterIP, port).String()
+	if shortcut && st.InternalPolicyLocal && !st.SessionAffinityClientIP {
+		// The ClusterIP virtual server has the local endpoints only: the
+		// short-circuited traffic goes to the cluster endpoints through a
+		// chain of its own instead, as in iptables mode. (With ClientIP
+		// affinity it keeps using the ClusterIP virtual server, whose
+		// persistence the statistic rules could not give.)
+		chain := clusterChain(st.Name)
+		p.chains = map[string][]string{chain: r.clusterRules(st, lp)}
+		dnat = " -j " + chain
+	}
 
 	// ClusterIP.
 	newVS(st.ClusterIP, port, st.InternalEndpoints())
@@ -224,6 +237,27 @@ func (r *renderer) render(st *proxy.ServiceState) *servicePlan {
 		}
 	}
 	return p
+}
+
+// clusterRules spread new connections evenly over st's cluster endpoints
+// of this family.
+func (r *renderer) clusterRules(st *proxy.ServiceState, lp string) []string {
+	var eps []netip.AddrPort
+	for _, ep := range st.ClusterEndpoints {
+		if ep.IP.Is6() == r.ipv6 && ep.Port > 0 && ep.Port < 65536 {
+			eps = append(eps, netip.AddrPortFrom(ep.IP, uint16(ep.Port)))
+		}
+	}
+	c := comment(st.Name.String() + " cluster endpoints")
+	rules := make([]string, 0, len(eps))
+	for i, ep := range eps {
+		rule := c
+		if n := len(eps) - i; n > 1 {
+			rule += fmt.Sprintf(" -m statistic --mode random --probability %0.10f", 1.0/float64(n))
+		}
+		rules = append(rules, rule+" -p "+lp+" -m "+lp+" -j DNAT --to-destination "+ep.String())
+	}
+	return rules
 }
 
 // splitZero splits a /0 prefix, which ipset refuses, into two halves.

@@ -482,6 +482,9 @@ func TestRealKernelPolicies(t *testing.T) {
 	// A load balancer VIP open to the client's network only.
 	r.engine.OnServiceAdd(pt.Service("lb", "10.96.0.32", pt.LoadBalancer("203.0.113.5"), pt.SourceRanges("192.0.2.0/25")))
 	r.engine.OnEndpointSliceAdd(r.slice("lb", "be2"))
+	// Both traffic policies Local, its only endpoint on another node.
+	r.engine.OnServiceAdd(pt.Service("bothloc", "10.96.0.33", pt.NodePort(30091), pt.ExternalLocal(), pt.InternalLocal()))
+	r.engine.OnEndpointSliceAdd(r.slice("bothloc", "be2"))
 	r.sync()
 	r.client.AddRoute(t, netip.MustParsePrefix("203.0.113.0/24"), realNodeAddr.Addr())
 	r.pods["pod"].ns.AddRoute(t, netip.MustParsePrefix("203.0.113.0/24"), r.pods["pod"].gateway)
@@ -500,6 +503,15 @@ func TestRealKernelPolicies(t *testing.T) {
 	})
 	t.Run("pods reach a Local node port through the cluster endpoints, unmasqueraded", func(t *testing.T) {
 		be, src, err := request(ctx, r.pods["pod"].ns, nodePort)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if host, _, _ := net.SplitHostPort(src); be != "be2" || host != r.pods["pod"].addr.String() {
+			t.Errorf("reached %s seeing %s, want be2 seeing the pod's address", be, src)
+		}
+	})
+	t.Run("pods reach a node port with both policies Local through the cluster endpoints", func(t *testing.T) {
+		be, src, err := request(ctx, r.pods["pod"].ns, netip.AddrPortFrom(realNodeAddr.Addr(), 30091).String())
 		if err != nil {
 			t.Fatal(err)
 		}

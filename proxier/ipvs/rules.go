@@ -51,7 +51,7 @@ func (rs ruleSet) count() map[string]int {
 }
 
 // renderRules renders IPVS mode's chains: constant apart from the shortcut
-// rules.
+// rules and the service ports' own chains (clusterChain).
 func (b *Backend) renderRules(shortcut []string) ruleSet {
 	set := func(base string) string { return setName(base, b.ipv6) }
 	match := func(base, flags string) string { return "-m set --match-set " + set(base) + " " + flags }
@@ -134,6 +134,11 @@ func (b *Backend) renderRules(shortcut []string) ruleSet {
 			comment("kproxy forwarding conntrack rule") + " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
 		},
 	}
+	for _, p := range b.plans {
+		for c, rules := range p.chains {
+			nat[c] = rules
+		}
+	}
 	return ruleSet{ipt.TableNAT: nat, ipt.TableFilter: filter}
 }
 
@@ -147,6 +152,14 @@ func (b *Backend) writeRules(ctx context.Context, rs ruleSet, full bool, st *Syn
 		for chain, rules := range rs[table] {
 			if full || b.rules[table][chain] != strings.Join(rules, "\n") {
 				write = append(write, chain)
+			}
+		}
+		if !full {
+			// A service port's own chain that is no longer wanted.
+			for c := range b.rules[table] {
+				if _, ok := rs[table][c]; !ok {
+					del = append(del, c)
+				}
 			}
 		}
 		if full {

@@ -76,7 +76,8 @@ func (k *fakeKernel) backend(t testing.TB, opts Options) *Backend {
 }
 
 // tracer traces proxiertest flows through the fake kernel: netfilter (the
-// fake iptables' tracer, with ipsets) up to local delivery, then IPVS
+// fake iptables' tracer, with ipsets) up to local delivery or a DNAT to an
+// endpoint, then IPVS
 // (a virtual server at the destination sends the packet to every real
 // server of non-zero weight; one without such a real server rejects), then
 // the output path of the rewritten packet (nat POSTROUTING decides
@@ -133,7 +134,18 @@ func (tr *tracer) Trace(f pt.Flow) (pt.Result, error) {
 			isLocal = isLocal || a == to
 		}
 		if !isLocal {
-			verdicts[pt.NotHandled] = true
+			if o.DNAT == "" {
+				verdicts[pt.NotHandled] = true
+				continue
+			}
+			// DNATed by netfilter itself to an endpoint (clusterChain):
+			// forwarded, masqueraded as the trace says.
+			ep := netip.AddrPortFrom(to, uint16(port)).String()
+			if prev, seen := res.Endpoints[ep]; seen && prev != o.Masquerade {
+				return res, fmt.Errorf("endpoint %s reached both with and without masquerade", ep)
+			}
+			verdicts[pt.Delivered] = true
+			res.Endpoints[ep] = o.Masquerade
 			continue
 		}
 		reals, found, err := tr.ipvsLookup(to, proto, port)
