@@ -29,45 +29,6 @@ import (
 //	make bench                      # 1,000 and 10,000 services
 //	KPROXY_BENCH_SERVICES=1000 go test -run '^$' -bench Sync -benchtime 1x ./proxier/iptables/
 
-const benchEndpoints = 10
-
-func benchSizes() []int {
-	v := os.Getenv("KPROXY_BENCH_SERVICES")
-	if v == "" {
-		v = "1000"
-	}
-	var out []int
-	for _, f := range strings.Fields(v) {
-		if n, err := strconv.Atoi(f); err == nil && n > 0 {
-			out = append(out, n)
-		}
-	}
-	return out
-}
-
-func benchObjects(n int) ([]*v1.Service, []*discovery.EndpointSlice) {
-	svcs := make([]*v1.Service, 0, n)
-	slices := make([]*discovery.EndpointSlice, 0, n)
-	for i := 0; i < n; i++ {
-		name := fmt.Sprintf("svc-%05d", i)
-		// ClusterIPs spread over a /16 as an allocator would.
-		h := uint32(i)*2654435761 + 7
-		ip := fmt.Sprintf("10.96.%d.%d", (h>>8)&0xff, h&0xff|1)
-		var opts []pt.SvcOpt
-		if i%10 == 0 {
-			opts = append(opts, pt.NodePort(int32(30000+i/10)))
-		}
-		svcs = append(svcs, pt.Service(name, ip, opts...))
-		eps := make([]pt.EP, 0, benchEndpoints)
-		for j := 0; j < benchEndpoints; j++ {
-			k := i*benchEndpoints + j
-			eps = append(eps, pt.EP{IP: fmt.Sprintf("10.%d.%d.%d", 128+k>>16, (k>>8)&0xff, k&0xff), Node: fmt.Sprintf("node-%d", k%1000)})
-		}
-		slices = append(slices, pt.Slice(name, 8080, eps...))
-	}
-	return svcs, slices
-}
-
 type benchRig struct {
 	engine  *proxier.Engine
 	backend *Backend
@@ -129,7 +90,7 @@ func peakRSSMiB() float64 {
 // memory.
 func BenchmarkSync(b *testing.B) {
 	netnstest.RequireRoot(b)
-	for _, n := range benchSizes() {
+	for _, n := range pt.BenchSizes() {
 		b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
 			for i := 0; i < b.N; i++ {
 				benchOnce(b, n)
@@ -150,7 +111,7 @@ func benchOnce(b *testing.B, n int) {
 			b.Error(err)
 		}
 	})
-	svcs, slices := benchObjects(n)
+	svcs, slices := pt.Workload(n)
 
 	runtime.GC()
 	rig := newBenchRig(b, iface, svcs, slices)
@@ -219,9 +180,9 @@ func natWalk(o ipt.Outcome) int {
 // partial sync (the engine and rendering, with the fake iptables), without
 // iptables-restore.
 func BenchmarkPartialSyncCPU(b *testing.B) {
-	for _, n := range benchSizes() {
+	for _, n := range pt.BenchSizes() {
 		b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
-			svcs, slices := benchObjects(n)
+			svcs, slices := pt.Workload(n)
 			rig := newBenchRig(b, ipt.NewFake(ipt.ProtocolIPv4), svcs, slices)
 			timedSync(b, rig.engine)
 			prev := slices[n-1]
@@ -243,7 +204,7 @@ func BenchmarkPartialSyncCPU(b *testing.B) {
 // process (make bench does), since the peak is process-wide.
 func BenchmarkMemory(b *testing.B) {
 	netnstest.RequireRoot(b)
-	sizes := benchSizes()
+	sizes := pt.BenchSizes()
 	n := sizes[len(sizes)-1]
 	b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
 		for i := 0; i < b.N; i++ {
@@ -257,7 +218,7 @@ func BenchmarkMemory(b *testing.B) {
 					b.Error(err)
 				}
 			})
-			svcs, slices := benchObjects(n)
+			svcs, slices := pt.Workload(n)
 			rig := newBenchRig(b, iface, svcs, slices)
 			timedSync(b, rig.engine)
 			runtime.GC()

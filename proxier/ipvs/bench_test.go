@@ -4,10 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
-	"os"
 	"sort"
-	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -31,44 +28,6 @@ import (
 //
 //	make bench
 //	KPROXY_BENCH_SERVICES="1000 10000" go test -exec "$PWD/hack/ipvs-vm.sh" -run '^$' -bench IPVSSync -benchtime 1x ./proxier/ipvs/
-
-const benchEndpoints = 10
-
-func benchSizes() []int {
-	v := os.Getenv("KPROXY_BENCH_SERVICES")
-	if v == "" {
-		v = "1000"
-	}
-	var out []int
-	for _, f := range strings.Fields(v) {
-		if n, err := strconv.Atoi(f); err == nil && n > 0 {
-			out = append(out, n)
-		}
-	}
-	return out
-}
-
-func benchObjects(n int) ([]*v1.Service, []*discovery.EndpointSlice) {
-	svcs := make([]*v1.Service, 0, n)
-	slices := make([]*discovery.EndpointSlice, 0, n)
-	for i := 0; i < n; i++ {
-		name := fmt.Sprintf("svc-%05d", i)
-		h := uint32(i)*2654435761 + 7
-		ip := fmt.Sprintf("10.96.%d.%d", (h>>8)&0xff, h&0xff|1)
-		var opts []pt.SvcOpt
-		if i%10 == 0 {
-			opts = append(opts, pt.NodePort(int32(30000+i/10)))
-		}
-		svcs = append(svcs, pt.Service(name, ip, opts...))
-		eps := make([]pt.EP, 0, benchEndpoints)
-		for j := 0; j < benchEndpoints; j++ {
-			k := i*benchEndpoints + j
-			eps = append(eps, pt.EP{IP: fmt.Sprintf("10.%d.%d.%d", 128+k>>16, (k>>8)&0xff, k&0xff), Node: fmt.Sprintf("node-%d", k%1000)})
-		}
-		slices = append(slices, pt.Slice(name, 8080, eps...))
-	}
-	return svcs, slices
-}
 
 type benchKernel struct {
 	ipvs *ipvs.Real
@@ -143,11 +102,11 @@ func timedSync(b *testing.B, e *proxier.Engine) time.Duration {
 // one-endpoint partial sync (median of five).
 func BenchmarkIPVSSync(b *testing.B) {
 	requireVM(b)
-	for _, n := range benchSizes() {
+	for _, n := range pt.BenchSizes() {
 		b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
 			for i := 0; i < b.N; i++ {
 				k := newBenchKernel(b)
-				svcs, slices := benchObjects(n)
+				svcs, slices := pt.Workload(n)
 				e, backend := newBenchRig(b, k, svcs, slices)
 				full := timedSync(b, e)
 				st := backend.LastSync()
