@@ -57,6 +57,10 @@ type SyncResult struct {
 	// RuleCounts is the backend's RuleCounts after a successful sync, nil
 	// when the sync failed or the backend is not a RuleCounter.
 	RuleCounts map[string]int
+	// RulesWritten is, by table, the rules the last successful sync wrote
+	// (a partial sync writes only what changed); nil when the sync failed or
+	// the backend is not a RulesWrittenCounter.
+	RulesWritten map[string]int
 }
 
 // HealthCheckService is one service's healthCheckNodePort and its local
@@ -71,6 +75,12 @@ type HealthCheckService struct {
 // "filter").
 type RuleCounter interface {
 	RuleCounts() map[string]int
+}
+
+// RulesWrittenCounter is an optional Backend interface: the rules the last
+// successful sync wrote, by table name.
+type RulesWrittenCounter interface {
+	RulesWritten() map[string]int
 }
 
 // EngineOptions configures an Engine.
@@ -353,6 +363,9 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 	result.HealthCheckServices = e.healthCheckServices(state)
 	if rc, ok := e.backend.(RuleCounter); ok && err == nil {
 		result.RuleCounts = rc.RuleCounts()
+	}
+	if rw, ok := e.backend.(RulesWrittenCounter); ok && err == nil {
+		result.RulesWritten = rw.RulesWritten()
 	}
 	for _, st := range state.Services {
 		if st.InternalPolicyLocal && st.HasAnyEndpoints && !st.HasLocalEndpoints() {

@@ -192,6 +192,12 @@ func (m *Metrics) SyncDone(r proxier.SyncResult) {
 	m.noLocalEndpoints.WithLabelValues("external", family).Set(float64(r.NoLocalEndpointsExternal))
 	for table, n := range r.RuleCounts {
 		m.iptablesTotal.WithLabelValues(table, family).Set(float64(n))
+		if r.RulesWritten == nil {
+			// The backend cannot tell what it wrote: report what it owns.
+			m.iptablesLast.WithLabelValues(table, family).Set(float64(n))
+		}
+	}
+	for table, n := range r.RulesWritten {
 		m.iptablesLast.WithLabelValues(table, family).Set(float64(n))
 	}
 	m.lastSync.WithLabelValues(family).Set(seconds(now))

@@ -59,6 +59,8 @@ type SyncStats struct {
 	ChainsDeleted int
 	RulesWritten  int
 	Bytes         int
+	// RulesWrittenByTable splits RulesWritten by table.
+	RulesWrittenByTable map[ipt.Table]int
 	// RestoreTime is the time spent in iptables-restore.
 	RestoreTime time.Duration
 	// NATRules and FilterRules count every rule kproxy owns after the sync.
@@ -126,6 +128,14 @@ func New(opts Options) (*Backend, error) {
 
 // LastSync returns the statistics of the last successful sync.
 func (b *Backend) LastSync() SyncStats { return b.last }
+
+// RulesWritten implements proxier.RulesWrittenCounter.
+func (b *Backend) RulesWritten() map[string]int {
+	return map[string]int{
+		string(ipt.TableNAT):    b.last.RulesWrittenByTable[ipt.TableNAT],
+		string(ipt.TableFilter): b.last.RulesWrittenByTable[ipt.TableFilter],
+	}
+}
 
 // hostAddresses lists the addresses of the host's interfaces.
 func hostAddresses() ([]netip.Addr, error) {

@@ -75,6 +75,10 @@ func writeTable(buf *bytes.Buffer, table ipt.Table, chains []plannedChain, delet
 			buf.WriteByte('\n')
 		}
 		stats.RulesWritten += len(c.rules)
+		if stats.RulesWrittenByTable == nil {
+			stats.RulesWrittenByTable = map[ipt.Table]int{}
+		}
+		stats.RulesWrittenByTable[table] += len(c.rules)
 	}
 	for _, d := range deletes {
 		fmt.Fprintf(buf, "-X %s\n", d)

@@ -408,3 +408,21 @@ func TestTopologyLabelChangeRefilters(t *testing.T) {
 	flow.WantEndpoints = []string{"10.244.3.5:8080"}
 	h.flows(flow)
 }
+
+func TestRulesWrittenByTable(t *testing.T) {
+	h := newHarness(t, nil, Options{})
+	addServices(h, 10)
+	h.sync()
+	full := h.backend.RulesWritten()
+	if full["nat"] == 0 || full["filter"] == 0 {
+		t.Fatalf("full sync wrote %v rules, want some in nat and filter", full)
+	}
+	_, sl := svcN(3)
+	sl.Endpoints = append(sl.Endpoints, pt.Slice("x", 8080, pt.EP{IP: "10.244.9.9", Node: "node-c"}).Endpoints...)
+	h.engine.OnEndpointSliceUpdate(nil, sl)
+	h.sync()
+	// One service chain with its masquerade rule and two DNAT rules.
+	if got := h.backend.RulesWritten(); got["nat"] != 3 || got["filter"] != 0 {
+		t.Errorf("one-endpoint partial sync wrote %v rules, want nat 3, filter 0", got)
+	}
+}
