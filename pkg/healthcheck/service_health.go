@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"sync"
 
+	"github.com/kproxy/kproxy/pkg/netlink"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
@@ -77,7 +78,7 @@ func NewServiceHealthServer(opts ServiceHealthOptions) *ServiceHealthServer {
 		logger = klog.Background()
 	}
 	if opts.LocalAddresses == nil {
-		opts.LocalAddresses = hostAddresses
+		opts.LocalAddresses = netlink.HostAddresses
 	}
 	return &ServiceHealthServer{
 		opts:     opts,
@@ -85,21 +86,6 @@ func NewServiceHealthServer(opts ServiceHealthOptions) *ServiceHealthServer {
 		byFamily: map[v1.IPFamily]map[types.NamespacedName]ServiceHealth{},
 		services: map[types.NamespacedName]*hcInstance{},
 	}
-}
-
-// hostAddresses lists the addresses of the host's interfaces.
-func hostAddresses() ([]netip.Addr, error) {
-	addrs, err := net.InterfaceAddrs()
-	if err != nil {
-		return nil, fmt.Errorf("listing interface addresses: %w", err)
-	}
-	var out []netip.Addr
-	for _, a := range addrs {
-		if p, err := netip.ParsePrefix(a.String()); err == nil {
-			out = append(out, p.Addr().Unmap())
-		}
-	}
-	return out, nil
 }
 
 // Sync makes the health checks match the services the proxier of family

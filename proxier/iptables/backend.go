@@ -8,7 +8,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"sort"
 	"strings"
@@ -19,6 +18,7 @@ import (
 	"k8s.io/utils/clock"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/netlink"
 	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
 )
@@ -113,7 +113,7 @@ func New(opts Options) (*Backend, error) {
 		opts.Clock = clock.RealClock{}
 	}
 	if opts.LocalAddresses == nil {
-		opts.LocalAddresses = hostAddresses
+		opts.LocalAddresses = netlink.HostAddresses
 	}
 	return &Backend{
 		ipt:      opts.IPTables,
@@ -135,21 +135,6 @@ func (b *Backend) RulesWritten() map[string]int {
 		string(ipt.TableNAT):    b.last.RulesWrittenByTable[ipt.TableNAT],
 		string(ipt.TableFilter): b.last.RulesWrittenByTable[ipt.TableFilter],
 	}
-}
-
-// hostAddresses lists the addresses of the host's interfaces.
-func hostAddresses() ([]netip.Addr, error) {
-	addrs, err := net.InterfaceAddrs()
-	if err != nil {
-		return nil, fmt.Errorf("listing interface addresses: %w", err)
-	}
-	var out []netip.Addr
-	for _, a := range addrs {
-		if p, err := netip.ParsePrefix(a.String()); err == nil {
-			out = append(out, p.Addr().Unmap())
-		}
-	}
-	return out, nil
 }
 
 // localAddrs returns this family's local addresses.
