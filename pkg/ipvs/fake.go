@@ -200,9 +200,6 @@ func (f *Fake) AddDestination(ctx context.Context, svc *Service, dst *Destinatio
 	if err := checkCtx(ctx); err != nil {
 		return err
 	}
-	if err := validateService(svc); err != nil {
-		return err
-	}
 	if err := validateDestination(svc, dst); err != nil {
 		return err
 	}
@@ -225,9 +222,6 @@ func (f *Fake) UpdateDestination(ctx context.Context, svc *Service, dst *Destina
 	if err := checkCtx(ctx); err != nil {
 		return err
 	}
-	if err := validateService(svc); err != nil {
-		return err
-	}
 	if err := validateDestination(svc, dst); err != nil {
 		return err
 	}
@@ -244,9 +238,6 @@ func (f *Fake) UpdateDestination(ctx context.Context, svc *Service, dst *Destina
 // DeleteDestination implements Interface.
 func (f *Fake) DeleteDestination(ctx context.Context, svc *Service, dst *Destination) error {
 	if err := checkCtx(ctx); err != nil {
-		return err
-	}
-	if err := validateService(svc); err != nil {
 		return err
 	}
 	if err := validateDestination(svc, dst); err != nil {

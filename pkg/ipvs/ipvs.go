@@ -199,9 +199,12 @@ func validateService(svc *Service) error {
 	return nil
 }
 
-// validateDestination checks dst for svc (already validated): NAT
-// forwarding needs both in the same family, and weights are non-negative.
+// validateDestination checks svc, then dst for svc: NAT forwarding needs
+// both in the same family, and weights are non-negative.
 func validateDestination(svc *Service, dst *Destination) error {
+	if err := validateService(svc); err != nil {
+		return err
+	}
 	if dst == nil {
 		return errors.New("nil destination")
 	}

@@ -194,9 +194,6 @@ func (r *Real) Destinations(ctx context.Context, svc *Service) ([]*Destination, 
 
 // AddDestination implements Interface.
 func (r *Real) AddDestination(ctx context.Context, svc *Service, dst *Destination) error {
-	if err := validateService(svc); err != nil {
-		return err
-	}
 	if err := validateDestination(svc, dst); err != nil {
 		return err
 	}
@@ -210,9 +207,6 @@ func (r *Real) AddDestination(ctx context.Context, svc *Service, dst *Destinatio
 
 // UpdateDestination implements Interface.
 func (r *Real) UpdateDestination(ctx context.Context, svc *Service, dst *Destination) error {
-	if err := validateService(svc); err != nil {
-		return err
-	}
 	if err := validateDestination(svc, dst); err != nil {
 		return err
 	}
@@ -226,9 +220,6 @@ func (r *Real) UpdateDestination(ctx context.Context, svc *Service, dst *Destina
 
 // DeleteDestination implements Interface.
 func (r *Real) DeleteDestination(ctx context.Context, svc *Service, dst *Destination) error {
-	if err := validateService(svc); err != nil {
-		return err
-	}
 	if err := validateDestination(svc, dst); err != nil {
 		return err
 	}
