@@ -16,10 +16,7 @@ import (
 // Limits enforced by the kernel or by iptables userspace.
 const (
 	// MaxChainNameLength is the longest chain name iptables accepts.
-	MaxChainNameLength = 28
-	// MaxCommentLength is the longest comment the comment match stores;
-	// iptables silently truncates longer ones.
-	MaxCommentLength    = 255
+	MaxChainNameLength  = 28
 	maxRecentNameLength = 200
 	maxIPSetNameLength  = 31
 	maxLogPrefixLength  = 29

@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 
+	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
@@ -45,26 +46,8 @@ type renderer struct {
 	nodeIPs []netip.Addr
 }
 
-// maxCommentLen is the kernel's limit for -m comment.
-const maxCommentLen = 255
-
-// comment renders a quoted comment match, truncated to the kernel's limit
-// (real iptables would truncate silently and the rule would no longer
-// compare equal to what kproxy wrote).
-func comment(text string) string {
-	// Only printable ASCII without quotes or backslashes survives restore
-	// parsing unchanged; API names never hold anything else.
-	text = strings.Map(func(r rune) rune {
-		if r < 0x20 || r > 0x7e || r == '"' || r == '\\' {
-			return '_'
-		}
-		return r
-	}, text)
-	if len(text) > maxCommentLen {
-		text = text[:maxCommentLen]
-	}
-	return `-m comment --comment "` + text + `"`
-}
+// comment is the shared comment match.
+var comment = ipt.Comment
 
 func protoMatch(p string) string { return "-p " + p + " -m " + p }
 

@@ -10,6 +10,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/kproxy/kproxy/pkg/ipset"
+	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/ipvs"
 	"github.com/kproxy/kproxy/pkg/proxy"
 )
@@ -283,20 +284,5 @@ func hostPrefix(ip netip.Addr) string {
 	return netip.PrefixFrom(ip, ip.BitLen()).String()
 }
 
-// maxCommentLen is the kernel's limit for -m comment.
-const maxCommentLen = 255
-
-// comment renders a quoted comment match, reduced to printable ASCII
-// without quotes and truncated to the kernel's limit.
-func comment(text string) string {
-	text = strings.Map(func(r rune) rune {
-		if r < 0x20 || r > 0x7e || r == '"' || r == '\\' {
-			return '_'
-		}
-		return r
-	}, text)
-	if len(text) > maxCommentLen {
-		text = text[:maxCommentLen]
-	}
-	return `-m comment --comment "` + text + `"`
-}
+// comment is the shared comment match.
+var comment = ipt.Comment
