@@ -104,6 +104,11 @@ type EngineOptions struct {
 	NodeLabels *proxy.NodeLabels
 	// WaitForNodes delays the first sync until OnNodeSynced as well.
 	WaitForNodes bool
+	// MasqueradeAll, ClusterCIDR and NodeIP are the node-wide settings the
+	// decisions depend on (proxy.DecisionOptions).
+	MasqueradeAll bool
+	ClusterCIDR   netip.Prefix // this family's pod CIDR (zero: unknown)
+	NodeIP        netip.Addr   // this node's primary IP of the family (zero: unknown)
 	// OnSync, when set, is called after every sync attempt.
 	OnSync func(SyncResult)
 	// OnQueued, when set, is called whenever a change asks for a sync.
@@ -156,6 +161,7 @@ type Engine struct {
 	// staleConntrack accumulates what applied changes made stale until a
 	// sync succeeds; only used with opts.Conntrack.
 	staleConntrack conntrack.StaleEntries
+	decisionOpts   proxy.DecisionOptions
 }
 
 var _ Proxier = (*Engine)(nil)
@@ -205,6 +211,7 @@ func NewEngine(opts EngineOptions) (*Engine, error) {
 		svcPortMap:       proxy.ServicePortMap{},
 		endpointsMap:     proxy.EndpointsMap{},
 		states:           map[proxy.ServicePortName]*proxy.ServiceState{},
+		decisionOpts:     proxy.DecisionOptions{MasqueradeAll: opts.MasqueradeAll, ClusterCIDR: opts.ClusterCIDR, NodeIP: opts.NodeIP},
 	}
 	r, err := runner.NewBoundedFrequencyRunner(runner.Options{
 		Name:          "sync-" + string(opts.Family),
@@ -368,10 +375,10 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 		result.RulesWritten = rw.RulesWritten()
 	}
 	for _, st := range state.Services {
-		if st.InternalPolicyLocal && st.HasAnyEndpoints && !st.HasLocalEndpoints() {
+		if st.Decisions.NoLocalEndpointsInternal {
 			result.NoLocalEndpointsInternal++
 		}
-		if st.ExternalPolicyLocal && st.HasAnyEndpoints && !st.HasLocalEndpoints() {
+		if st.Decisions.NoLocalEndpointsExternal {
 			result.NoLocalEndpointsExternal++
 		}
 	}
@@ -409,13 +416,9 @@ func (e *Engine) buildState(changed sets.Set[types.NamespacedName], full bool) *
 		if _, ok := e.states[name]; ok && !full && !changed.Has(name.NamespacedName) {
 			continue
 		}
-		cluster, local, all, hasAny := proxy.CategorizeEndpoints(e.endpointsMap[name], sp, topo)
-		e.states[name] = &proxy.ServiceState{
-			ServicePort: sp, ClusterEndpoints: cluster, LocalEndpoints: local,
-			AllEndpoints: all, HasAnyEndpoints: hasAny,
-		}
+		e.states[name] = proxy.NewServiceState(sp, e.endpointsMap[name], topo, e.decisionOpts)
 	}
-	return &proxy.NodeState{Family: e.opts.Family, NodeName: e.opts.NodeName, Services: e.states, Changed: changed}
+	return &proxy.NodeState{Family: e.opts.Family, NodeName: e.opts.NodeName, Options: e.decisionOpts, Services: e.states, Changed: changed}
 }
 
 // healthCheckServices lists the services of state that have a

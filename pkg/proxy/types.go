@@ -134,28 +134,9 @@ type ServiceState struct {
 	// HasAnyEndpoints is false only when the service has no usable endpoint
 	// at all (REJECT); it may be true with both lists empty (policy DROP).
 	HasAnyEndpoints bool
-}
-
-// HasClusterEndpoints reports whether traffic under the cluster policy can be
-// delivered; HasLocalEndpoints likewise for the Local policy.
-func (s *ServiceState) HasClusterEndpoints() bool { return len(s.ClusterEndpoints) > 0 }
-func (s *ServiceState) HasLocalEndpoints() bool   { return len(s.LocalEndpoints) > 0 }
-
-// InternalEndpoints are the endpoints for traffic to the ClusterIP.
-func (s *ServiceState) InternalEndpoints() []*Endpoint {
-	if s.InternalPolicyLocal {
-		return s.LocalEndpoints
-	}
-	return s.ClusterEndpoints
-}
-
-// ExternalEndpoints are the endpoints for traffic from outside the cluster to
-// NodePorts, ExternalIPs and LoadBalancer VIPs.
-func (s *ServiceState) ExternalEndpoints() []*Endpoint {
-	if s.ExternalPolicyLocal {
-		return s.LocalEndpoints
-	}
-	return s.ClusterEndpoints
+	// Decisions is what the node does with each kind of destination from
+	// each class of source (decision.go): what every backend renders.
+	Decisions ServiceDecisions
 }
 
 // NodeState is the desired dataplane state of this node for one IP family:
@@ -163,6 +144,9 @@ func (s *ServiceState) ExternalEndpoints() []*Endpoint {
 type NodeState struct {
 	Family   v1.IPFamily
 	NodeName string
+	// Options are the node-wide settings the decisions were made with; a
+	// backend renders SourcePod as "source in Options.ClusterCIDR".
+	Options  DecisionOptions
 	Services map[ServicePortName]*ServiceState
 	// Changed names the services (by namespace/name) whose ports or
 	// endpoints may differ from the previous sync, including deleted ones.

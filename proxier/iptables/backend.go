@@ -29,11 +29,6 @@ type Options struct {
 	IPTables ipt.Interface
 	// MasqueradeBit is the fwmark bit (0-31) that asks for SNAT; default 14.
 	MasqueradeBit *int
-	// MasqueradeAll masquerades all traffic to ClusterIPs.
-	MasqueradeAll bool
-	// ClusterCIDR of this family: ClusterIP traffic from outside it is
-	// masqueraded. Zero means unknown (no such rule).
-	ClusterCIDR netip.Prefix
 	// NodePortAddresses restricts node ports to local addresses inside these
 	// prefixes. nil means every local address; an empty non-nil slice means
 	// none (--nodeport-addresses named only the other family).
@@ -256,7 +251,7 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, full bool) e
 	if err != nil {
 		return err
 	}
-	r := &renderer{ipv6: b.ipv6, masqueradeAll: b.opts.MasqueradeAll, clusterCIDR: b.opts.ClusterCIDR, nodeIPs: addrs}
+	r := &renderer{ipv6: b.ipv6, clusterCIDR: state.Options.ClusterCIDR}
 
 	// Render the services this sync concerns.
 	next := make(map[proxy.ServicePortName]*renderedService, len(state.Services))

@@ -79,7 +79,7 @@ func newFakeBackend(t testing.TB, env pt.Env) (*Backend, *ipt.Fake) {
 	fake.RandomFully = true
 	local := append([]netip.Addr{}, env.NodeIPs...)
 	b, err := New(Options{
-		IPTables: fake, MasqueradeAll: env.MasqueradeAll, ClusterCIDR: env.ClusterCIDR,
+		IPTables:          fake,
 		NodePortAddresses: env.NodePortAddresses,
 		LocalAddresses:    func() ([]netip.Addr, error) { return local, nil },
 	})

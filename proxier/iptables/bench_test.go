@@ -36,14 +36,14 @@ type benchRig struct {
 
 func newBenchRig(tb testing.TB, iface ipt.Interface, svcs []*v1.Service, slices []*discovery.EndpointSlice) *benchRig {
 	b, err := New(Options{
-		IPTables: iface, ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"),
+		IPTables:       iface,
 		LocalAddresses: func() ([]netip.Addr, error) { return []netip.Addr{netip.MustParseAddr("10.0.0.1")}, nil },
 	})
 	if err != nil {
 		tb.Fatal(err)
 	}
 	e, err := proxier.NewEngine(proxier.EngineOptions{
-		Family: v1.IPv4Protocol, NodeName: "node-0", Backend: b,
+		Family: v1.IPv4Protocol, NodeName: "node-0", Backend: b, ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"),
 		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second,
 		Clock: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0)),
 	})

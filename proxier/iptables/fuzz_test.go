@@ -52,11 +52,11 @@ func FuzzRender(f *testing.F) {
 			eps = append(eps, &proxy.Endpoint{IP: netip.AddrFrom4([4]byte{10, 244, byte(i % 3), byte(i + 1)}), Port: 8080,
 				Ready: true, Serving: true, NodeName: fmt.Sprintf("node-%d", i%3), IsLocal: i%3 == 0})
 		}
-		cluster, local, all, hasAny := proxy.CategorizeEndpoints(eps, sp, proxy.TopologyInfo{NodeName: "node-0"})
-		st := &proxy.NodeState{Family: v1.IPv4Protocol, NodeName: "node-0", Changed: sets.New[types.NamespacedName](),
-			Services: map[proxy.ServicePortName]*proxy.ServiceState{sp.Name: {ServicePort: sp, ClusterEndpoints: cluster, LocalEndpoints: local, AllEndpoints: all, HasAnyEndpoints: hasAny}}}
+		opts := proxy.DecisionOptions{ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"), NodeIP: netip.MustParseAddr("10.0.0.1")}
+		st := &proxy.NodeState{Family: v1.IPv4Protocol, NodeName: "node-0", Options: opts, Changed: sets.New[types.NamespacedName](),
+			Services: map[proxy.ServicePortName]*proxy.ServiceState{sp.Name: proxy.NewServiceState(sp, eps, proxy.TopologyInfo{NodeName: "node-0"}, opts)}}
 		fake := ipt.NewFake(ipt.ProtocolIPv4)
-		b, err := New(Options{IPTables: fake, ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"),
+		b, err := New(Options{IPTables: fake,
 			LocalAddresses: func() ([]netip.Addr, error) { return []netip.Addr{netip.MustParseAddr("10.0.0.1")}, nil }})
 		if err != nil {
 			t.Fatal(err)
@@ -73,9 +73,10 @@ func FuzzRender(f *testing.F) {
 			t.Fatalf("trace: %v", err)
 		}
 		want := sets.New[string]()
-		internal := cluster
+		svc := st.Services[sp.Name]
+		internal := svc.ClusterEndpoints
 		if sp.InternalPolicyLocal {
-			internal = local
+			internal = svc.LocalEndpoints
 		}
 		for _, ep := range internal {
 			want.Insert(ep.String())

@@ -179,14 +179,14 @@ func newRealTopo(t *testing.T, fam realFamily) *realTopo {
 	})
 	clk := testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))
 	topo.backend, err = New(Options{
-		IPTables: iface, ClusterCIDR: fam.clusterCIDR, Clock: clk,
+		IPTables: iface, Clock: clk,
 		LocalAddresses: func() ([]netip.Addr, error) { return nsAddresses(topo.node) },
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	topo.engine, err = proxier.NewEngine(proxier.EngineOptions{
-		Family: fam.family, NodeName: realNodeName, Backend: topo.backend,
+		Family: fam.family, NodeName: realNodeName, Backend: topo.backend, ClusterCIDR: fam.clusterCIDR,
 		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second, Clock: clk,
 	})
 	if err != nil {

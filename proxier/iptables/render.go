@@ -34,20 +34,19 @@ type renderedService struct {
 	hairpin []netip.Addr
 }
 
-// renderer turns ServiceStates into rules for one family.
-type renderer struct {
-	ipv6          bool
-	masqueradeAll bool
-	// clusterCIDR: traffic to a ClusterIP from outside it is masqueraded;
-	// invalid (zero) when unknown.
-	clusterCIDR netip.Prefix
-	// nodeIPs are this node's addresses (for loadBalancerSourceRanges that
-	// include the node).
-	nodeIPs []netip.Addr
-}
-
 // comment is the shared comment match.
 var comment = ipt.Comment
+
+// renderer turns ServiceStates into rules for one family. It only draws
+// the decisions of the model (proxy.ServiceDecisions): which chain a
+// destination jumps to, which source classes get their own rules, which
+// verdict the filter table gives what was not DNATed.
+type renderer struct {
+	ipv6 bool
+	// clusterCIDR renders proxy.SourcePod ("-s clusterCIDR"); invalid when
+	// unknown, and then the model never tells pods apart.
+	clusterCIDR netip.Prefix
+}
 
 func protoMatch(p string) string { return "-p " + p + " -m " + p }
 
@@ -58,92 +57,126 @@ func hostAddr(ip netip.Addr) string {
 	return ip.String() + "/32"
 }
 
+// classMatch is the match of one source class, given the classes tested
+// before it: a pod is a source in the cluster CIDR, the node a locally
+// generated packet from outside it, anything else the rest.
+func (r *renderer) classMatch(c proxy.SourceClass) string {
+	switch c {
+	case proxy.SourcePod:
+		return "-s " + r.clusterCIDR.String()
+	case proxy.SourceNode:
+		return "-m addrtype --src-type LOCAL"
+	}
+	return ""
+}
+
+// filterVerdict is the filter table's verdict for connections to one
+// destination that the nat table did not DNAT: the non-delivering verdict
+// of its decisions (Other's first), or "" when every class is delivered.
+func filterVerdict(d *proxy.ServiceDecisions, kind proxy.DestinationKind) (target, why string) {
+	for _, c := range []proxy.SourceClass{proxy.SourceOther, proxy.SourceNode, proxy.SourcePod} {
+		switch d.For(kind, c).Verdict {
+		case proxy.VerdictDrop:
+			return "DROP", " has no local endpoints"
+		case proxy.VerdictReject:
+			return "REJECT", " has no endpoints"
+		}
+	}
+	return "", ""
+}
+
+// delivers reports whether some source class is delivered to kind.
+func delivers(d *proxy.ServiceDecisions, kind proxy.DestinationKind) bool {
+	for _, c := range proxy.SourceClasses {
+		if d.For(kind, c).Verdict == proxy.VerdictDeliver {
+			return true
+		}
+	}
+	return false
+}
+
 func (r *renderer) render(st *proxy.ServiceState) *renderedService {
 	out := &renderedService{natChains: map[string][]string{}}
+	d := &st.Decisions
 	name := st.Name
 	nameStr := name.String()
 	proto := strings.ToLower(string(st.Protocol))
 	pm := protoMatch(proto)
 	port := strconv.Itoa(st.Port)
 
-	clusterChain := servicePortChain(kindCluster, name)
-	localChain := servicePortChain(kindLocal, name)
+	policyChain := map[proxy.EndpointSelection]string{
+		proxy.SelectCluster: servicePortChain(kindCluster, name),
+		proxy.SelectLocal:   servicePortChain(kindLocal, name),
+	}
 	extChain := servicePortChain(kindExternal, name)
 	fwChain := servicePortChain(kindFirewall, name)
 
-	hasEndpoints := st.HasAnyEndpoints
-	usesClusterChain := len(st.ClusterEndpoints) > 0 && st.UsesClusterEndpoints()
-	usesLocalChain := len(st.LocalEndpoints) > 0 && st.UsesLocalEndpoints()
-
-	internalChain, hasInternal := clusterChain, hasEndpoints && usesClusterChain
-	if st.InternalPolicyLocal {
-		internalChain, hasInternal = localChain, hasEndpoints && usesLocalChain
+	// The external kinds share one decision row (and so one EXT chain):
+	// the first one the port has.
+	extKind, hasExt := proxy.DestinationKind(0), false
+	for _, k := range proxy.DestinationKinds[1:] {
+		if d.Has(k) {
+			extKind, hasExt = k, true
+			break
+		}
 	}
-	externalPolicyChain, hasExternal := clusterChain, hasEndpoints && usesClusterChain
-	if st.ExternalPolicyLocal {
-		externalPolicyChain, hasExternal = localChain, hasEndpoints && usesLocalChain
-	}
-	usesExtChain := hasEndpoints && st.ExternallyAccessible()
-	usesFWChain := hasEndpoints && len(st.LoadBalancerVIPs) > 0 && len(st.LoadBalancerSourceRanges) > 0
+	usesExtChain := hasExt && delivers(d, extKind)
+	usesFWChain := usesExtChain && d.Firewall != nil && d.Has(proxy.DestLoadBalancerIP)
 	lbChain := extChain
 	if usesFWChain {
 		lbChain = fwChain
 	}
 
-	// Filter verdicts for traffic that has nowhere to go: REJECT when the
-	// service has no endpoints at all, DROP when only a Local policy leaves
-	// it without one.
-	internalTarget, internalComment := "REJECT", nameStr+" has no endpoints"
-	externalTarget, externalComment := "REJECT", nameStr+" has no endpoints"
-	if hasEndpoints {
-		internalTarget, internalComment = "DROP", nameStr+" has no local endpoints"
-		externalTarget, externalComment = "DROP", nameStr+" has no local endpoints"
-	}
-
-	// ClusterIP.
+	// ClusterIP: every class goes to the same policy chain (only
+	// masquerading differs by class, inside that chain).
+	cip := d.For(proxy.DestClusterIP, proxy.SourceOther)
 	cipMatch := comment(nameStr+" cluster IP") + " " + pm + " -d " + hostAddr(st.ClusterIP) + " --dport " + port
-	if hasInternal {
-		out.natServices = append(out.natServices, dispatchRule{addrBucket(st.ClusterIP), cipMatch + " -j " + internalChain})
-	} else {
+	if cip.Verdict == proxy.VerdictDeliver {
+		out.natServices = append(out.natServices, dispatchRule{addrBucket(st.ClusterIP), cipMatch + " -j " + policyChain[cip.Endpoints]})
+	}
+	if target, why := filterVerdict(d, proxy.DestClusterIP); target != "" {
 		out.filterServices = append(out.filterServices, dispatchRule{addrBucket(st.ClusterIP),
-			comment(internalComment) + " " + pm + " -d " + hostAddr(st.ClusterIP) + " --dport " + port + " -j " + internalTarget})
+			comment(nameStr+why) + " " + pm + " -d " + hostAddr(st.ClusterIP) + " --dport " + port + " -j " + target})
 	}
 
-	// ExternalIPs.
-	for _, ip := range st.ExternalIPs {
-		m := pm + " -d " + hostAddr(ip) + " --dport " + port
-		if hasEndpoints {
-			out.natServices = append(out.natServices, dispatchRule{addrBucket(ip), comment(nameStr+" external IP") + " " + m + " -j " + extChain})
-		}
-		if !hasExternal {
-			out.filterExternal = append(out.filterExternal, dispatchRule{addrBucket(ip), comment(externalComment) + " " + m + " -j " + externalTarget})
-		}
+	// ExternalIPs and LoadBalancer IPs.
+	extTarget, extWhy := "", ""
+	if hasExt {
+		extTarget, extWhy = filterVerdict(d, extKind)
 	}
-
-	// LoadBalancer VIPs.
-	for _, ip := range st.LoadBalancerVIPs {
-		m := pm + " -d " + hostAddr(ip) + " --dport " + port
-		if hasEndpoints {
-			out.natServices = append(out.natServices, dispatchRule{addrBucket(ip), comment(nameStr+" loadbalancer IP") + " " + m + " -j " + lbChain})
-		}
-		if usesFWChain {
-			out.filterFirewall = append(out.filterFirewall, comment(nameStr+" traffic not accepted by "+fwChain)+" "+m+" -j DROP")
-		}
-		if !hasExternal {
-			out.filterExternal = append(out.filterExternal, dispatchRule{addrBucket(ip), comment(externalComment) + " " + m + " -j " + externalTarget})
+	for _, a := range []struct {
+		kind  proxy.DestinationKind
+		ips   []netip.Addr
+		what  string
+		chain string
+	}{
+		{proxy.DestExternalIP, st.ExternalIPs, " external IP", extChain},
+		{proxy.DestLoadBalancerIP, st.LoadBalancerVIPs, " loadbalancer IP", lbChain},
+	} {
+		for _, ip := range a.ips {
+			m := pm + " -d " + hostAddr(ip) + " --dport " + port
+			if usesExtChain {
+				out.natServices = append(out.natServices, dispatchRule{addrBucket(ip), comment(nameStr+a.what) + " " + m + " -j " + a.chain})
+			}
+			if a.kind == proxy.DestLoadBalancerIP && usesFWChain {
+				out.filterFirewall = append(out.filterFirewall, comment(nameStr+" traffic not accepted by "+fwChain)+" "+m+" -j DROP")
+			}
+			if extTarget != "" {
+				out.filterExternal = append(out.filterExternal, dispatchRule{addrBucket(ip), comment(nameStr+extWhy) + " " + m + " -j " + extTarget})
+			}
 		}
 	}
 
 	// NodePort.
-	if st.NodePort != 0 {
+	if d.Has(proxy.DestNodePort) {
 		np := strconv.Itoa(st.NodePort)
-		if hasEndpoints {
+		if usesExtChain {
 			out.natNodePorts = append(out.natNodePorts, dispatchRule{portBucket(st.Protocol, st.NodePort),
 				comment(nameStr) + " " + pm + " --dport " + np + " -j " + extChain})
 		}
-		if !hasExternal {
+		if extTarget != "" {
 			out.filterExtNodePorts = append(out.filterExtNodePorts,
-				comment(externalComment)+" -m addrtype --dst-type LOCAL "+pm+" --dport "+np+" -j "+externalTarget)
+				comment(nameStr+extWhy)+" -m addrtype --dst-type LOCAL "+pm+" --dport "+np+" -j "+extTarget)
 		}
 	}
 	if st.HealthCheckNodePort != 0 {
@@ -151,32 +184,39 @@ func (r *renderer) render(st *proxy.ServiceState) *renderedService {
 			comment(nameStr+" health check node port")+" -m tcp -p tcp --dport "+strconv.Itoa(st.HealthCheckNodePort)+" -j ACCEPT")
 	}
 
-	// Policy chains, each with its endpoints.
-	if usesClusterChain {
-		out.natChains[clusterChain] = r.endpointRules(st, st.ClusterEndpoints, !st.InternalPolicyLocal && hasInternal, cipMatch)
-	}
-	if usesLocalChain {
-		out.natChains[localChain] = r.endpointRules(st, st.LocalEndpoints, st.InternalPolicyLocal && hasInternal, cipMatch)
+	// Policy chains, each with its endpoints; the ClusterIP's masquerade
+	// rules go first in the chain the ClusterIP jumps to.
+	for _, sel := range []proxy.EndpointSelection{proxy.SelectCluster, proxy.SelectLocal} {
+		if !d.Uses(sel) {
+			continue
+		}
+		var rules []string
+		if cip.Verdict == proxy.VerdictDeliver && cip.Endpoints == sel {
+			rules = r.clusterIPMasquerade(d, cipMatch)
+		}
+		out.natChains[policyChain[sel]] = append(rules, r.endpointRules(st, st.Endpoints(sel))...)
 	}
 
-	// External destinations.
+	// External destinations: the classes that differ from everyone else's
+	// decision get their own rules (pods, then the node), then the rest.
 	if usesExtChain {
 		var ext []string
-		if !st.ExternalPolicyLocal {
-			ext = append(ext, comment("masquerade traffic for "+nameStr+" external destinations")+" -j "+chainMarkMasq)
-		} else if usesClusterChain {
-			// Pods and the node itself reaching an external destination are
-			// subject to neither policy (as if they went out to a load
-			// balancer and came back): they use the cluster endpoints.
-			if r.clusterCIDR.IsValid() {
-				ext = append(ext, comment("pod traffic for "+nameStr+" external destinations")+" -s "+r.clusterCIDR.String()+" -j "+clusterChain)
+		other := d.For(extKind, proxy.SourceOther)
+		for _, c := range proxy.SourceClasses {
+			dec := d.For(extKind, c)
+			if c != proxy.SourceOther && dec == other {
+				continue
 			}
-			ext = append(ext,
-				comment("masquerade LOCAL traffic for "+nameStr+" external destinations")+" -m addrtype --src-type LOCAL -j "+chainMarkMasq,
-				comment("route LOCAL traffic for "+nameStr+" external destinations")+" -m addrtype --src-type LOCAL -j "+clusterChain)
-		}
-		if hasExternal {
-			ext = append(ext, "-j "+externalPolicyChain)
+			match, what := r.classMatch(c), c.String()+" traffic for "+nameStr+" external destinations"
+			if match != "" {
+				match += " "
+			}
+			if dec.Masquerade {
+				ext = append(ext, comment("masquerade "+what)+" "+match+"-j "+chainMarkMasq)
+			}
+			if dec.Verdict == proxy.VerdictDeliver {
+				ext = append(ext, comment(what)+" "+match+"-j "+policyChain[dec.Endpoints])
+			}
 		}
 		out.natChains[extChain] = ext
 	}
@@ -185,18 +225,10 @@ func (r *renderer) render(st *proxy.ServiceState) *renderedService {
 	if usesFWChain {
 		c := comment(nameStr + " loadbalancer IP")
 		var fw []string
-		allowFromNode := false
-		for _, cidr := range st.LoadBalancerSourceRanges {
+		for _, cidr := range d.Firewall.Allowed {
 			fw = append(fw, c+" -s "+cidr.String()+" -j "+extChain)
-			for _, ip := range r.nodeIPs {
-				if cidr.Contains(ip) {
-					allowFromNode = true
-				}
-			}
 		}
-		if allowFromNode {
-			// A node reaching a VIP that is also a local address uses the
-			// VIP as its source.
+		if d.Firewall.AllowVIPSource {
 			for _, ip := range st.LoadBalancerVIPs {
 				fw = append(fw, c+" -s "+hostAddr(ip)+" -j "+extChain)
 			}
@@ -205,19 +237,42 @@ func (r *renderer) render(st *proxy.ServiceState) *renderedService {
 		out.natChains[fwChain] = fw
 	}
 
-	// Hairpin: an endpoint reaching itself through the service must be
-	// masqueraded or it would answer itself directly.
-	for _, ep := range st.AllEndpoints {
-		if ep.IsLocal || ep.NodeName == "" {
-			out.hairpin = append(out.hairpin, ep.IP)
-		}
+	for _, ep := range d.Hairpin {
+		out.hairpin = append(out.hairpin, ep.IP)
 	}
 	return out
 }
 
-// endpointRules renders a policy chain: the masquerade rule for ClusterIP
-// traffic from outside the cluster (when this chain serves ClusterIP
-// traffic), session affinity, then random balancing with DNAT inline.
+// clusterIPMasquerade renders the masquerade decisions of the ClusterIP's
+// source classes as few rules as possible: none, one for everyone, one for
+// everything outside the cluster CIDR, or one per class.
+func (r *renderer) clusterIPMasquerade(d *proxy.ServiceDecisions, cipMatch string) []string {
+	pod := d.For(proxy.DestClusterIP, proxy.SourcePod).Masquerade
+	node := d.For(proxy.DestClusterIP, proxy.SourceNode).Masquerade
+	other := d.For(proxy.DestClusterIP, proxy.SourceOther).Masquerade
+	switch {
+	case pod && node && other:
+		return []string{cipMatch + " -j " + chainMarkMasq}
+	case !pod && !node && !other:
+		return nil
+	case !pod && node && other:
+		return []string{cipMatch + " ! -s " + r.clusterCIDR.String() + " -j " + chainMarkMasq}
+	}
+	var rules []string
+	if pod {
+		rules = append(rules, cipMatch+" -s "+r.clusterCIDR.String()+" -j "+chainMarkMasq)
+	}
+	if node {
+		rules = append(rules, cipMatch+" ! -s "+r.clusterCIDR.String()+" -m addrtype --src-type LOCAL -j "+chainMarkMasq)
+	}
+	if other {
+		rules = append(rules, cipMatch+" ! -s "+r.clusterCIDR.String()+" -m addrtype ! --src-type LOCAL -j "+chainMarkMasq)
+	}
+	return rules
+}
+
+// endpointRules renders a policy chain's endpoints: session affinity, then
+// random balancing with DNAT inline.
 //
 // Upstream kube-proxy gives every endpoint its own chain (KUBE-SEP-*). kproxy
 // does not: the hairpin mark moves to POSTROUTING (see renderedService.hairpin)
@@ -225,21 +280,14 @@ func (r *renderer) render(st *proxy.ServiceState) *renderedService {
 // costs one chain, not one per endpoint. iptables-nft's restore time grows
 // with the square of the chains in a batch, so this is what keeps a 10,000
 // service first sync fast.
-func (r *renderer) endpointRules(st *proxy.ServiceState, eps []*proxy.Endpoint, servesClusterIP bool, cipMatch string) []string {
+func (r *renderer) endpointRules(st *proxy.ServiceState, eps []*proxy.Endpoint) []string {
 	proto := strings.ToLower(string(st.Protocol))
 	pm := protoMatch(proto)
-	nameStr := st.Name.String()
 	var rules []string
-	if servesClusterIP {
-		if r.masqueradeAll {
-			rules = append(rules, cipMatch+" -j "+chainMarkMasq)
-		} else if r.clusterCIDR.IsValid() {
-			rules = append(rules, cipMatch+" ! -s "+r.clusterCIDR.String()+" -j "+chainMarkMasq)
-		}
-	}
-	c := comment(nameStr)
-	if st.SessionAffinityClientIP {
-		seconds := strconv.Itoa(st.StickyMaxAgeSeconds)
+	c := comment(st.Name.String())
+	affinity := st.Decisions.AffinitySeconds
+	if affinity > 0 {
+		seconds := strconv.Itoa(affinity)
 		for _, ep := range eps {
 			rules = append(rules, c+" -m recent --name "+recentName(st.Name, ep)+" --update --seconds "+seconds+" --reap --rsource "+
 				pm+" -j DNAT --to-destination "+ep.AddrString())
@@ -251,7 +299,7 @@ func (r *renderer) endpointRules(st *proxy.ServiceState, eps []*proxy.Endpoint, 
 		if i < n-1 {
 			rule += " -m statistic --mode random --probability " + probability(n-i)
 		}
-		if st.SessionAffinityClientIP {
+		if affinity > 0 {
 			rule += " -m recent --name " + recentName(st.Name, ep) + " --set --rsource"
 		}
 		rules = append(rules, rule+" "+pm+" -j DNAT --to-destination "+ep.AddrString())

@@ -55,7 +55,6 @@ func newHarness(t *testing.T, fake *ipt.Fake, opts Options) *harness {
 		clock: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0)),
 		local: []netip.Addr{netip.MustParseAddr("10.0.0.1")}}
 	opts.IPTables = h.iface
-	opts.ClusterCIDR = netip.MustParsePrefix("10.244.0.0/16")
 	opts.LocalAddresses = func() ([]netip.Addr, error) { return h.local, nil }
 	opts.Clock = h.clock
 	b, err := New(opts)
@@ -64,7 +63,7 @@ func newHarness(t *testing.T, fake *ipt.Fake, opts Options) *harness {
 	}
 	h.backend = b
 	e, err := proxier.NewEngine(proxier.EngineOptions{
-		Family: v1.IPv4Protocol, NodeName: "node-a", Backend: b,
+		Family: v1.IPv4Protocol, NodeName: "node-a", Backend: b, ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"),
 		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second, Clock: h.clock,
 	})
 	if err != nil {

@@ -99,11 +99,6 @@ type Options struct {
 	ExcludeCIDRs []netip.Prefix
 	// MasqueradeBit is the fwmark bit (0-31) that asks for SNAT; default 14.
 	MasqueradeBit *int
-	// MasqueradeAll masquerades all traffic to ClusterIPs.
-	MasqueradeAll bool
-	// ClusterCIDR of this family: ClusterIP traffic from outside it is
-	// masqueraded. Zero means unknown.
-	ClusterCIDR netip.Prefix
 	// NodePortAddresses restricts node ports to local addresses inside
 	// these prefixes. nil means every local address but loopback ones; an
 	// empty non-nil slice means none.
@@ -167,7 +162,9 @@ type Backend struct {
 	shortcut    []string
 	// nodePortAddrs and localAddrs as of the last sync.
 	nodePortAddrs, localAddrs []netip.Addr
-	last                      SyncStats
+	// decisionOpts are the node-wide options of the last state synced.
+	decisionOpts proxy.DecisionOptions
+	last         SyncStats
 }
 
 // termVS holds the real servers of one virtual server that wait at weight
@@ -329,8 +326,10 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) e
 		b.initialized = false
 		return err
 	}
-	full = full || !b.initialized || !slices.Equal(local, b.localAddrs) || !slices.Equal(nodePort, b.nodePortAddrs)
-	r := &renderer{ipv6: b.ipv6, scheduler: b.opts.Scheduler, clusterCIDR: b.opts.ClusterCIDR, nodePortAddrs: nodePort, localAddrs: local}
+	full = full || !b.initialized || !slices.Equal(local, b.localAddrs) || !slices.Equal(nodePort, b.nodePortAddrs) ||
+		b.decisionOpts != state.Options
+	b.decisionOpts = state.Options
+	r := &renderer{ipv6: b.ipv6, scheduler: b.opts.Scheduler, nodePortAddrs: nodePort, localAddrs: local}
 	st := SyncStats{Full: full}
 	var errs []error
 	if full {

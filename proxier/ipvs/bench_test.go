@@ -65,13 +65,12 @@ func newBenchKernel(b *testing.B) *benchKernel {
 func newBenchRig(b *testing.B, k *benchKernel, svcs []*v1.Service, slices []*discovery.EndpointSlice) (*proxier.Engine, *Backend) {
 	backend, err := New(Options{
 		IPVS: k.ipvs, Netlink: k.nl, IPSet: k.sets, IPTables: k.ipt, Sysctl: ProcSysctl{NetNS: k.ns},
-		ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"),
 	})
 	if err != nil {
 		b.Fatal(err)
 	}
 	e, err := proxier.NewEngine(proxier.EngineOptions{
-		Family: v1.IPv4Protocol, NodeName: "node-0", Backend: backend,
+		Family: v1.IPv4Protocol, NodeName: "node-0", Backend: backend, ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"),
 		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second,
 		Clock: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0)),
 	})

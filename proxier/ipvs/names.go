@@ -27,11 +27,13 @@ func IsChain(chain string) bool { return strings.HasPrefix(chain, ChainPrefix) }
 // rule per external destination of an externalTrafficPolicy=Local service).
 const (
 	// nat
-	chainServices    = ChainPrefix + "SERVICES"    // from PREROUTING and OUTPUT: masquerade marks
-	chainExternal    = ChainPrefix + "EXTERNAL"    // external destinations (ExternalIPs, LB VIPs, node ports)
-	chainExtLocal    = ChainPrefix + "EXT-LOCAL"   // external destinations with externalTrafficPolicy=Local
-	chainShortcut    = ChainPrefix + "SHORTCUT"    // pods and the node to Local external destinations: to the ClusterIP
-	chainPostrouting = ChainPrefix + "POSTROUTING" // hairpin and mark-driven masquerade
+	chainServices    = ChainPrefix + "SERVICES"      // from PREROUTING and OUTPUT: masquerade marks
+	chainExternal    = ChainPrefix + "EXTERNAL"      // external destinations (ExternalIPs, LB VIPs, node ports)
+	chainExtLocal    = ChainPrefix + "EXT-LOCAL"     // external destinations with externalTrafficPolicy=Local
+	chainExtLocalFW  = ChainPrefix + "EXT-LOCAL-FW"  // LB IPs with source ranges: allowed sources go on to chainExtLocalSrc
+	chainExtLocalSrc = ChainPrefix + "EXT-LOCAL-SRC" // pods and the node to Local external destinations: to chainShortcut
+	chainShortcut    = ChainPrefix + "SHORTCUT"      // pods and the node to Local external destinations: to the ClusterIP
+	chainPostrouting = ChainPrefix + "POSTROUTING"   // hairpin and mark-driven masquerade
 	chainMarkMasq    = ChainPrefix + "MARK-MASQ"
 	// filter
 	chainInput        = ChainPrefix + "INPUT"         // drops before IPVS (LOCAL_IN runs after filter INPUT)

@@ -72,15 +72,20 @@ type servicePlan struct {
 	chains map[string][]string
 }
 
-// renderer turns ServiceStates into plans for one family.
+// renderer turns ServiceStates into plans for one family. It draws the
+// model's decisions (proxy.ServiceDecisions) as virtual servers, set
+// entries and short-circuit rules; the constant rules of rules.go say how
+// each set is treated.
 type renderer struct {
-	ipv6        bool
-	scheduler   string
-	clusterCIDR netip.Prefix
+	ipv6      bool
+	scheduler string
 	// nodePortAddrs are the local addresses that accept node ports.
 	nodePortAddrs []netip.Addr
 	// localAddrs are every local address of the family but the dummy
-	// device's (for source ranges that include the node).
+	// device's: an ExternalIP or LoadBalancer IP that is one of them is
+	// never bound to the dummy device (it would capture the node's own
+	// address for IPVS, and the filter would then reject every other
+	// port of it: sshd, the kubelet).
 	localAddrs []netip.Addr
 }
 
@@ -96,124 +101,120 @@ func (r *renderer) render(st *proxy.ServiceState) *servicePlan {
 	if !ok {
 		return nil
 	}
+	d := &st.Decisions
 	lp := strings.ToLower(string(st.Protocol))
 	port := uint16(st.Port)
 	p := &servicePlan{}
 	ipPort := func(set string, ip netip.Addr, port uint16) {
 		p.entries = append(p.entries, setEntry{r.set(set), ipset.Entry{IP: ip, Protocol: lp, Port: port}})
 	}
-	newVS := func(addr netip.Addr, port uint16, eps []*proxy.Endpoint) {
+	// newVS adds the virtual server of one destination: its real servers
+	// are the endpoints everyone else (proxy.SourceOther) is delivered to;
+	// none when they are dropped or rejected (IPVS answers a virtual server
+	// without real servers with ICMP port unreachable).
+	newVS := func(kind proxy.DestinationKind, addr netip.Addr, port uint16) {
 		vs := &virtualServer{svc: ipvs.Service{Address: addr, Protocol: proto, Port: port, Scheduler: r.scheduler}}
-		if st.SessionAffinityClientIP {
+		if d.AffinitySeconds > 0 {
 			vs.svc.Persistent = true
-			vs.svc.Timeout = uint32(st.StickyMaxAgeSeconds)
+			vs.svc.Timeout = uint32(d.AffinitySeconds)
 		}
-		for _, ep := range eps {
-			if ep.IP.Is6() == r.ipv6 && ep.Port > 0 && ep.Port < 65536 {
-				vs.dests = append(vs.dests, destKey{ep.IP, uint16(ep.Port)})
+		if dec := d.For(kind, proxy.SourceOther); dec.Verdict == proxy.VerdictDeliver {
+			for _, ep := range st.Endpoints(dec.Endpoints) {
+				if ep.IP.Is6() == r.ipv6 && ep.Port > 0 && ep.Port < 65536 {
+					vs.dests = append(vs.dests, destKey{ep.IP, uint16(ep.Port)})
+				}
 			}
 		}
 		slices.SortFunc(vs.dests, compareDest)
 		vs.dests = slices.Compact(vs.dests)
 		p.vs = append(p.vs, vs)
 	}
+	// kindSets adds the per-destination set entries that the decisions of
+	// kind call for: "Local" (everyone else keeps the client address; pods
+	// and the node are handled by KPROXY-IPVS-EXT-LOCAL) and "drop".
+	kindSets := func(kind proxy.DestinationKind, localSet, dropSet string, ip netip.Addr, port uint16) {
+		other := d.For(kind, proxy.SourceOther)
+		if localSet != "" && !other.Masquerade && other.Verdict != proxy.VerdictReject {
+			ipPort(localSet, ip, port)
+		}
+		if other.Verdict == proxy.VerdictDrop {
+			ipPort(dropSet, ip, port)
+		}
+	}
 	name := st.Name.String()
 	pm := "-p " + lp + " -m " + lp + " --dport "
-	external := st.ExternalEndpoints()
-	extLocal := st.ExternalPolicyLocal
-	// Local external policy without a local endpoint drops external
-	// traffic; without any endpoint at all, IPVS itself rejects (a virtual
-	// server without real servers answers ICMP port unreachable).
-	extDrop := extLocal && st.HasAnyEndpoints && !st.HasLocalEndpoints()
-	// Pods and the node reaching a Local external destination use the
-	// cluster endpoints, through the ClusterIP (see chainShortcut).
-	shortcut := extLocal && len(st.ClusterEndpoints) > 0
+	// shortcut is the target of the pods' and the node's short circuit
+	// to the cluster endpoints: the ClusterIP virtual server when it has
+	// those endpoints, else a chain of the port's own that balances over
+	// them. (With ClientIP affinity it keeps using the ClusterIP virtual
+	// server, whose persistence the statistic rules could not give.)
+	cip := d.For(proxy.DestClusterIP, proxy.SourceOther)
 	dnat := " -j DNAT --to-destination " + netip.AddrPortFrom(st.ClusterIP, port).String()
-	if shortcut && st.InternalPolicyLocal && !st.SessionAffinityClientIP {
-		// The ClusterIP virtual server has the local endpoints only: the
-		// short-circuited traffic goes to the cluster endpoints through a
-		// chain of its own instead, as in iptables mode. (With ClientIP
-		// affinity it keeps using the ClusterIP virtual server, whose
-		// persistence the statistic rules could not give.)
+	shortcuts := func(kind proxy.DestinationKind) bool {
+		return d.For(kind, proxy.SourcePod).ShortCircuit || d.For(kind, proxy.SourceNode).ShortCircuit
+	}
+	anyShortcut := shortcuts(proxy.DestNodePort) || shortcuts(proxy.DestExternalIP) || shortcuts(proxy.DestLoadBalancerIP)
+	if anyShortcut && !(cip.Verdict == proxy.VerdictDeliver && cip.Endpoints == proxy.SelectCluster) && d.AffinitySeconds == 0 {
 		chain := clusterChain(st.Name)
 		p.chains = map[string][]string{chain: r.clusterRules(st, lp)}
 		dnat = " -j " + chain
 	}
+	var bound []netip.Addr
+	bind := func(ip netip.Addr) {
+		if !slices.Contains(r.localAddrs, ip) {
+			bound = append(bound, ip)
+		}
+	}
 
 	// ClusterIP.
-	newVS(st.ClusterIP, port, st.InternalEndpoints())
-	p.addrs = append(p.addrs, st.ClusterIP)
+	newVS(proxy.DestClusterIP, st.ClusterIP, port)
+	bind(st.ClusterIP)
 	ipPort(setClusterIP, st.ClusterIP, port)
-	if st.InternalPolicyLocal && st.HasAnyEndpoints && !st.HasLocalEndpoints() {
-		ipPort(setInternalDrop, st.ClusterIP, port)
-	}
+	kindSets(proxy.DestClusterIP, "", setInternalDrop, st.ClusterIP, port)
 
 	// ExternalIPs.
 	for _, ip := range st.ExternalIPs {
-		newVS(ip, port, external)
-		p.addrs = append(p.addrs, ip)
+		newVS(proxy.DestExternalIP, ip, port)
+		bind(ip)
 		ipPort(setExternalIP, ip, port)
-		if extLocal {
-			ipPort(setExternalIPLocal, ip, port)
-		}
-		if extDrop {
-			ipPort(setExternalDrop, ip, port)
-		}
-		if shortcut {
+		kindSets(proxy.DestExternalIP, setExternalIPLocal, setExternalDrop, ip, port)
+		if shortcuts(proxy.DestExternalIP) {
 			p.shortcut = append(p.shortcut, comment(name+" external IP")+" -d "+hostPrefix(ip)+" "+pm+strconv.Itoa(st.Port)+dnat)
 		}
 	}
 
 	// LoadBalancer VIPs.
 	for _, ip := range st.LoadBalancerVIPs {
-		newVS(ip, port, external)
-		p.addrs = append(p.addrs, ip)
+		newVS(proxy.DestLoadBalancerIP, ip, port)
+		bind(ip)
 		ipPort(setLoadBalancer, ip, port)
-		if extLocal {
-			ipPort(setLoadBalancerLoc, ip, port)
-		}
-		if extDrop {
-			ipPort(setExternalDrop, ip, port)
-		}
-		if shortcut {
+		kindSets(proxy.DestLoadBalancerIP, setLoadBalancerLoc, setExternalDrop, ip, port)
+		if shortcuts(proxy.DestLoadBalancerIP) {
 			p.shortcut = append(p.shortcut, comment(name+" loadbalancer IP")+" -d "+hostPrefix(ip)+" "+pm+strconv.Itoa(st.Port)+dnat)
 		}
-		if len(st.LoadBalancerSourceRanges) == 0 {
+		if d.Firewall == nil {
 			continue
 		}
 		ipPort(setLoadBalancerFW, ip, port)
-		fromNode := false
-		for _, cidr := range st.LoadBalancerSourceRanges {
+		for _, cidr := range d.Firewall.Allowed {
 			for _, n := range splitZero(cidr) {
 				p.entries = append(p.entries, setEntry{r.set(setLBSourceCIDR), ipset.Entry{IP: ip, Protocol: lp, Port: port, Net: n}})
 			}
-			for _, a := range r.localAddrs {
-				if cidr.Contains(a) {
-					fromNode = true
-				}
-			}
 		}
-		if fromNode {
-			// The node reaching a VIP bound to a local device uses the VIP
-			// as its source address.
+		if d.Firewall.AllowVIPSource {
 			p.entries = append(p.entries, setEntry{r.set(setLBSourceIP), ipset.Entry{IP: ip, Protocol: lp, Port: port, IP2: ip}})
 		}
 	}
 
 	// NodePort, on every selected node address.
-	if st.NodePort > 0 && st.NodePort < 65536 {
+	if d.Has(proxy.DestNodePort) && st.NodePort > 0 && st.NodePort < 65536 {
 		np := uint16(st.NodePort)
 		for _, a := range r.nodePortAddrs {
-			newVS(a, np, external)
+			newVS(proxy.DestNodePort, a, np)
 			ipPort(setNodePort, a, np)
-			if extLocal {
-				ipPort(setNodePortLocal, a, np)
-			}
-			if extDrop {
-				ipPort(setExternalDrop, a, np)
-			}
+			kindSets(proxy.DestNodePort, setNodePortLocal, setExternalDrop, a, np)
 		}
-		if shortcut && len(r.nodePortAddrs) > 0 {
+		if shortcuts(proxy.DestNodePort) && len(r.nodePortAddrs) > 0 {
 			p.shortcut = append(p.shortcut, comment(name+" node port")+" -m set --match-set "+r.set(setNodePortLocal)+" dst,dst "+
 				pm+strconv.Itoa(st.NodePort)+dnat)
 		}
@@ -226,14 +227,13 @@ func (r *renderer) render(st *proxy.ServiceState) *servicePlan {
 
 	// Every address bound to the dummy device, for the filter that
 	// rejects its other ports.
+	p.addrs = bound
 	for _, a := range p.addrs {
 		p.entries = append(p.entries, setEntry{r.set(setIPVSAddresses), ipset.Entry{IP: a}})
 	}
 
-	// Hairpin: an endpoint that may reach itself through the service
-	// (local, or of unknown node) is masqueraded when it does.
-	for _, ep := range st.AllEndpoints {
-		if (ep.IsLocal || ep.NodeName == "") && ep.IP.Is6() == r.ipv6 && ep.Port > 0 && ep.Port < 65536 {
+	for _, ep := range d.Hairpin {
+		if ep.IP.Is6() == r.ipv6 && ep.Port > 0 && ep.Port < 65536 {
 			p.entries = append(p.entries, setEntry{r.set(setLoopBack), ipset.Entry{IP: ep.IP, Protocol: lp, Port: uint16(ep.Port), IP2: ep.IP}})
 		}
 	}

@@ -130,13 +130,13 @@ func newRealNode(t *testing.T, serve func(name string, ns *netnstest.NS, bind st
 	})
 	r.backend, err = New(Options{
 		IPVS: r.ipvs, Netlink: r.nl, IPSet: r.sets, IPTables: r.ipt, Sysctl: ProcSysctl{NetNS: r.node.Name},
-		ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"), Clock: r.clock,
+		Clock: r.clock,
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	r.engine, err = proxier.NewEngine(proxier.EngineOptions{
-		Family: v1.IPv4Protocol, NodeName: realNodeName, Backend: r.backend,
+		Family: v1.IPv4Protocol, NodeName: realNodeName, Backend: r.backend, ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"),
 		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second, Clock: r.clock,
 	})
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
 // jumpRule is a rule in a built-in chain that leads into IPVS mode's chains.
@@ -63,11 +64,12 @@ func (b *Backend) renderRules(shortcut []string) ruleSet {
 
 	var services []string
 	cip := comment("kproxy service cluster IP + port for masquerade purpose") + " " + match(setClusterIP, "dst,dst")
-	switch {
-	case b.opts.MasqueradeAll:
+	cidr := b.decisionOpts.ClusterCIDR
+	switch m := proxy.ClusterIPMasquerade(b.decisionOpts); {
+	case m[proxy.SourcePod] && m[proxy.SourceOther]:
 		services = append(services, cip+" -j "+chainMarkMasq)
-	case b.opts.ClusterCIDR.IsValid():
-		services = append(services, cip+" ! -s "+b.opts.ClusterCIDR.String()+" -j "+chainMarkMasq)
+	case m[proxy.SourceOther]:
+		services = append(services, cip+" ! -s "+cidr.String()+" -j "+chainMarkMasq)
 	}
 	services = append(services,
 		comment("kproxy service external IPs")+" "+match(setExternalIP, "dst,dst")+" -j "+chainExternal,
@@ -80,12 +82,23 @@ func (b *Backend) renderRules(shortcut []string) ruleSet {
 		comment("kproxy node ports with externalTrafficPolicy=Local") + " " + match(setNodePortLocal, "dst,dst") + " -g " + chainExtLocal,
 		comment("masquerade traffic for external destinations") + " -j " + chainMarkMasq,
 	}
-	var extLocal []string
-	if b.opts.ClusterCIDR.IsValid() {
-		extLocal = append(extLocal, comment("pod traffic for Local external destinations uses the cluster endpoints")+
-			" -s "+b.opts.ClusterCIDR.String()+" -j "+chainShortcut)
+	// loadBalancerSourceRanges are checked before any short circuit: a
+	// source they do not allow falls through, not DNATed, to the filter's
+	// drop.
+	extLocal := []string{
+		comment("kproxy load balancer IPs with source ranges") + " " + match(setLoadBalancerFW, "dst,dst") + " -g " + chainExtLocalFW,
+		"-g " + chainExtLocalSrc,
 	}
-	extLocal = append(extLocal,
+	extLocalFW := []string{
+		comment("kproxy allowed source ranges") + " " + match(setLBSourceCIDR, "dst,dst,src") + " -g " + chainExtLocalSrc,
+		comment("kproxy node reaching its own load balancer IP") + " " + match(setLBSourceIP, "dst,dst,src") + " -g " + chainExtLocalSrc,
+	}
+	var extLocalSrc []string
+	if cidr.IsValid() {
+		extLocalSrc = append(extLocalSrc, comment("pod traffic for Local external destinations uses the cluster endpoints")+
+			" -s "+cidr.String()+" -j "+chainShortcut)
+	}
+	extLocalSrc = append(extLocalSrc,
 		comment("masquerade LOCAL traffic for Local external destinations")+" -m addrtype --src-type LOCAL -j "+chainMarkMasq,
 		comment("LOCAL traffic for Local external destinations uses the cluster endpoints")+" -m addrtype --src-type LOCAL -j "+chainShortcut,
 	)
@@ -99,6 +112,8 @@ func (b *Backend) renderRules(shortcut []string) ruleSet {
 		chainServices:    services,
 		chainExternal:    external,
 		chainExtLocal:    extLocal,
+		chainExtLocalFW:  extLocalFW,
+		chainExtLocalSrc: extLocalSrc,
 		chainShortcut:    shortcut,
 		chainPostrouting: post,
 		chainMarkMasq:    {"-j MARK --or-mark " + b.masqMark},

@@ -41,11 +41,10 @@ func newHarness(t *testing.T, k *fakeKernel, opts Options) *harness {
 		k = newFakeKernel(t, v1.IPv4Protocol, []netip.Addr{nodeIP})
 	}
 	h := &harness{t: t, k: k, clock: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))}
-	opts.ClusterCIDR = clusterCIDR
 	opts.Clock = h.clock
 	h.backend = k.backend(t, opts)
 	e, err := proxier.NewEngine(proxier.EngineOptions{
-		Family: v1.IPv4Protocol, NodeName: "node-a", Backend: h.backend,
+		Family: v1.IPv4Protocol, NodeName: "node-a", Backend: h.backend, ClusterCIDR: clusterCIDR, NodeIP: nodeIP,
 		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second, Clock: h.clock,
 	})
 	if err != nil {

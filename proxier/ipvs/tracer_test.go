@@ -367,7 +367,7 @@ var ipvsDeviations = []ipvsDeviation{
 func TestBehaviourCases(t *testing.T) {
 	factory := func(t *testing.T, env pt.Env) (proxier.Backend, pt.Tracer) {
 		k := newFakeKernel(t, env.Family, env.NodeIPs)
-		b := k.backend(t, Options{MasqueradeAll: env.MasqueradeAll, ClusterCIDR: env.ClusterCIDR, NodePortAddresses: env.NodePortAddresses})
+		b := k.backend(t, Options{NodePortAddresses: env.NodePortAddresses})
 		return b, &tracer{k}
 	}
 	used := map[int]bool{}

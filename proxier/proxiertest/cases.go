@@ -156,6 +156,45 @@ func Cases() []Case {
 			},
 		},
 		{
+			Name: "externalTrafficPolicy Local with loadBalancerSourceRanges: pods and the node outside the ranges are dropped too",
+			Services: []*v1.Service{Service("lbl", "10.96.0.42", LoadBalancer("203.0.113.23"), NodePort(30042), ExternalLocal(),
+				SourceRanges("192.0.2.0/24"))},
+			Slices: []*discovery.EndpointSlice{twoEndpoints("lbl")},
+			Flows: []Flow{
+				{Name: "allowed client", Source: extClient, Dest: "203.0.113.23", Port: 80, Want: Delivered, WantEndpoints: []string{localEPAt}},
+				{Name: "other client", Source: "198.51.100.1", Dest: "203.0.113.23", Port: 80, Want: Dropped},
+				{Name: "pod outside the ranges", Source: localPod, Dest: "203.0.113.23", Port: 80, Want: Dropped},
+				{Name: "node outside the ranges", Source: nodeIP, Dest: "203.0.113.23", Port: 80, Origin: FromHost, Want: Dropped},
+				{Name: "pod to the node port short-circuits", Source: localPod, Dest: nodeIP, Port: 30042, Want: Delivered, WantEndpoints: both},
+			},
+		},
+		{
+			Name:    "loadBalancerSourceRanges admit the node when they hold its primary IP, not any local address",
+			NodeIPs: []string{nodeIP, "10.0.1.1"},
+			Services: []*v1.Service{
+				Service("fw-primary", "10.96.0.43", LoadBalancer("203.0.113.24"), SourceRanges("10.0.0.0/24")),
+				Service("fw-secondary", "10.96.0.44", LoadBalancer("203.0.113.25"), SourceRanges("10.0.1.0/24")),
+			},
+			Slices: []*discovery.EndpointSlice{twoEndpoints("fw-primary"), twoEndpoints("fw-secondary")},
+			Flows: []Flow{
+				{Name: "node via its VIP, primary IP in range", Source: "203.0.113.24", Dest: "203.0.113.24", Port: 80, Origin: FromHost, Want: Delivered, WantEndpoints: both, WantMasquerade: true},
+				{Name: "node via its VIP, only a secondary address in range", Source: "203.0.113.25", Dest: "203.0.113.25", Port: 80, Origin: FromHost, Want: Dropped},
+				{Name: "node from its secondary address", Source: "10.0.1.1", Dest: "203.0.113.25", Port: 80, Origin: FromHost, Want: Delivered, WantEndpoints: both, WantMasquerade: true},
+			},
+		},
+		{
+			Name: "an external IP or load balancer IP that is a node address leaves the node's other ports alone",
+			Services: []*v1.Service{Service("nodeaddr", "10.96.0.45", ExternalIPs(nodeIP), LoadBalancer(nodeIP)),
+				Service("lbnode", "10.96.0.46", LoadBalancer(nodeIP), Ports(v1.ServicePort{Name: "p", Port: 8443, Protocol: v1.ProtocolTCP}))},
+			Slices: []*discovery.EndpointSlice{twoEndpoints("nodeaddr"), twoEndpoints("lbnode")},
+			Flows: []Flow{
+				{Name: "service port", Source: extClient, Dest: nodeIP, Port: 80, Want: Delivered, WantEndpoints: both, WantMasquerade: true},
+				{Name: "load balancer port", Source: extClient, Dest: nodeIP, Port: 8443, Want: Delivered, WantEndpoints: both, WantMasquerade: true},
+				{Name: "sshd on the node address", Source: extClient, Dest: nodeIP, Port: 22, Want: NotHandled},
+				{Name: "kubelet from the node", Source: nodeIP, Dest: nodeIP, Port: 10250, Origin: FromHost, Want: NotHandled},
+			},
+		},
+		{
 			Name:     "externalTrafficPolicy Local keeps the client address and uses local endpoints",
 			Services: []*v1.Service{Service("loc", "10.96.0.50", LoadBalancer("203.0.113.30"), NodePort(30050), ExternalLocal())},
 			Slices:   []*discovery.EndpointSlice{twoEndpoints("loc")},

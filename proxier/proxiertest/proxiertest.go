@@ -157,6 +157,7 @@ func RunCase(t *testing.T, c Case, factory Factory) {
 	backend, tracer := factory(t, env)
 	engine, err := proxier.NewEngine(proxier.EngineOptions{
 		Family: env.Family, NodeName: env.NodeName, Backend: backend,
+		MasqueradeAll: env.MasqueradeAll, ClusterCIDR: env.ClusterCIDR, NodeIP: env.NodeIPs[0],
 		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second,
 		Clock: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0)),
 	})

@@ -95,7 +95,7 @@ func openIPVSKernel(ctx context.Context, o *Options, required bool) (*ipvsKernel
 }
 
 // newIPVSBackend builds the IPVS backend of one family.
-func newIPVSBackend(o *Options, k *ipvsKernel, i ipt.Interface, clusterCIDR netip.Prefix, nodePortAddresses []netip.Prefix) (proxier.Backend, error) {
+func newIPVSBackend(o *Options, k *ipvsKernel, i ipt.Interface, nodePortAddresses []netip.Prefix) (proxier.Backend, error) {
 	exclude, err := o.ipvsExcludeCIDRs()
 	if err != nil {
 		return nil, err
@@ -105,8 +105,7 @@ func newIPVSBackend(o *Options, k *ipvsKernel, i ipt.Interface, clusterCIDR neti
 		IPVS: k.ipvs, Netlink: k.nl, IPSet: k.ipset, IPTables: i, Sysctl: ipvsbackend.ProcSysctl{},
 		Scheduler: o.IPVSScheduler, StrictARP: o.IPVSStrictARP,
 		Timeouts:     ipvs.Timeouts{TCP: o.IPVSTCPTimeout, TCPFin: o.IPVSTCPFinTimeout, UDP: o.IPVSUDPTimeout},
-		ExcludeCIDRs: exclude, MasqueradeBit: &bit, MasqueradeAll: o.MasqueradeAll,
-		ClusterCIDR: clusterCIDR, NodePortAddresses: nodePortAddresses,
+		ExcludeCIDRs: exclude, MasqueradeBit: &bit, NodePortAddresses: nodePortAddresses,
 	})
 }
 

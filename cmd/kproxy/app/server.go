@@ -232,14 +232,13 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		}
 		var backend proxier.Backend
 		if mode == ModeIPVS {
-			if backend, err = newIPVSBackend(o, ipvsK, i, cidrs[fam], np); err != nil {
+			if backend, err = newIPVSBackend(o, ipvsK, i, np); err != nil {
 				return err
 			}
 		} else {
 			bit := o.MasqueradeBit
 			b, err := iptbackend.New(iptbackend.Options{
-				IPTables: i, MasqueradeBit: &bit, MasqueradeAll: o.MasqueradeAll,
-				ClusterCIDR: cidrs[fam], NodePortAddresses: np, BatchChains: o.IPTablesBatchChain,
+				IPTables: i, MasqueradeBit: &bit, NodePortAddresses: np, BatchChains: o.IPTablesBatchChain,
 				CanaryInterval: o.SyncPeriod,
 			})
 			if err != nil {
@@ -250,6 +249,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		e, err := proxier.NewEngine(proxier.EngineOptions{
 			Family: fam, NodeName: name, Backend: backend,
 			MinSyncPeriod: minSyncPeriod, SyncPeriod: syncPeriod, Logger: logger, WaitForNodes: true,
+			MasqueradeAll: o.MasqueradeAll, ClusterCIDR: cidrs[fam],
 			OnQueued: func(at time.Time) {
 				health.QueuedUpdate(fam)
 				m.SyncQueued(fam, at)
