@@ -219,7 +219,7 @@ func availableForTopology(ep *Endpoint, mode topologyMode, nodeName, zone string
 	}
 }
 
-// filterByTopologyKeys applies the topologyKeys annotation (DESIGN §3) to
+// filterByTopologyKeys applies the topologyKeys annotation (docs/design.md, "Topology keys") to
 // the usable endpoints: the first key that selects at least one endpoint
 // wins. A key selects the endpoints whose node carries the key with the same
 // value as this node; a key this node lacks selects nothing; "*" selects

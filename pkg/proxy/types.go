@@ -52,7 +52,7 @@ type ServicePort struct {
 	HealthCheckNodePort int
 	// TrafficDistribution is spec.trafficDistribution ("" when unset).
 	TrafficDistribution string
-	// TopologyKeys from the "topologyKeys" annotation (DESIGN §3); nil when
+	// TopologyKeys from the "topologyKeys" annotation (docs/design.md, "Topology keys"); nil when
 	// absent or malformed.
 	TopologyKeys []string
 	// TopologyKeysError is set when the annotation was present but malformed;

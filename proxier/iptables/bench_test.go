@@ -22,7 +22,7 @@ import (
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
 )
 
-// The standard workloads of DESIGN §6: N services with 10 endpoints each
+// The standard workloads (docs/design.md, "Testing"): N services with 10 endpoints each
 // (one in ten also a NodePort), programmed through the real engine into the
 // real iptables-restore inside a throwaway network namespace.
 //

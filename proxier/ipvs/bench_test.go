@@ -21,7 +21,7 @@ import (
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
 )
 
-// The standard workloads of DESIGN §6 (N services with 10 endpoints each,
+// The standard workloads (docs/design.md, "Testing") (N services with 10 endpoints each,
 // one in ten also a NodePort), programmed through the real engine into the
 // real IPVS, ipsets, dummy device and iptables of a throwaway network
 // namespace inside the VM (the host kernel has no IPVS):

@@ -29,7 +29,7 @@ func twoEndpoints(svc string) *discovery.EndpointSlice {
 	return Slice(svc, 8080, EP{IP: localEP, Node: "node-a"}, EP{IP: remoteEP, Node: "node-b"})
 }
 
-// Cases returns the behaviour cases of DESIGN §2 and §3.
+// Cases returns the shared behaviour cases (docs/design.md, "The decision table" and "Topology keys").
 func Cases() []Case {
 	both := []string{localEPAt, remoteEPAt}
 	cases := []Case{

@@ -29,7 +29,7 @@ func BenchSizes() []int {
 	return out
 }
 
-// Workload builds the standard workload of DESIGN §6: n ClusterIP services
+// Workload builds the standard workload (docs/design.md, "Testing"): n ClusterIP services
 // (one in ten also a NodePort) with WorkloadEndpoints endpoints each, spread
 // over 1,000 nodes named node-0..node-999. ClusterIPs are spread over a /16
 // as an allocator would.
