@@ -1,4 +1,4 @@
-package iptables
+package iptablestest
 
 import (
 	"bytes"
@@ -10,6 +10,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/kproxy/kproxy/pkg/iptables"
 )
 
 // restoreText joins lines into restore input.
@@ -28,7 +30,7 @@ func mustRestore(t *testing.T, f *Fake, lines ...string) {
 func saveAll(t testing.TB, f *Fake) []byte {
 	t.Helper()
 	var b bytes.Buffer
-	for _, table := range []Table{TableFilter, TableMangle, TableNAT} {
+	for _, table := range []iptables.Table{iptables.TableFilter, iptables.TableMangle, iptables.TableNAT} {
 		data, err := f.SaveInto(context.Background(), table)
 		if err != nil {
 			t.Fatalf("SaveInto(%s): %v", table, err)
@@ -39,23 +41,23 @@ func saveAll(t testing.TB, f *Fake) []byte {
 }
 
 func TestFakeNew(t *testing.T) {
-	f := NewFake(ProtocolIPv4)
-	want := map[Table][]string{
-		TableNAT:    {"PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"},
-		TableFilter: {"INPUT", "FORWARD", "OUTPUT"},
-		TableMangle: {"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"},
+	f := NewFake(iptables.ProtocolIPv4)
+	want := map[iptables.Table][]string{
+		iptables.TableNAT:    {"PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"},
+		iptables.TableFilter: {"INPUT", "FORWARD", "OUTPUT"},
+		iptables.TableMangle: {"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"},
 	}
 	for table, chains := range want {
 		if got := f.Chains(table); !slices.Equal(got, chains) {
 			t.Errorf("Chains(%s) = %v, want %v", table, got, chains)
 		}
 		for _, c := range chains {
-			if p := f.Policy(table, Chain(c)); p != "ACCEPT" {
+			if p := f.Policy(table, iptables.Chain(c)); p != "ACCEPT" {
 				t.Errorf("policy of %s/%s = %q, want ACCEPT", table, c, p)
 			}
 		}
 	}
-	if f.Protocol() != ProtocolIPv4 || !f.HasRandomFully() {
+	if f.Protocol() != iptables.ProtocolIPv4 || !f.HasRandomFully() {
 		t.Errorf("Protocol() = %v, HasRandomFully() = %v", f.Protocol(), f.HasRandomFully())
 	}
 	if f.Chains("raw") != nil {
@@ -71,7 +73,7 @@ func checkState(t *testing.T, f *Fake, want fakeState) {
 	t.Helper()
 	for key, rules := range want {
 		table, chain, _ := strings.Cut(key, "/")
-		exists := slices.Contains(f.Chains(Table(table)), chain)
+		exists := slices.Contains(f.Chains(iptables.Table(table)), chain)
 		if rules == nil {
 			if exists {
 				t.Errorf("chain %s exists, want it absent", key)
@@ -82,7 +84,7 @@ func checkState(t *testing.T, f *Fake, want fakeState) {
 			t.Errorf("chain %s does not exist", key)
 			continue
 		}
-		got := f.Rules(Table(table), Chain(chain))
+		got := f.Rules(iptables.Table(table), iptables.Chain(chain))
 		if !slices.Equal(got, rules) {
 			t.Errorf("rules of %s:\n got %q\nwant %q", key, got, rules)
 		}
@@ -106,7 +108,7 @@ func TestFakeRestore(t *testing.T) {
 	}
 	tests := []struct {
 		name     string
-		protocol Protocol
+		protocol iptables.Protocol
 		noSetup  bool
 		input    []string
 		wantErr  string
@@ -398,28 +400,28 @@ func TestFakeRestore(t *testing.T) {
 		},
 		{
 			name:     "IPv4 address in an IPv6 table",
-			protocol: ProtocolIPv6,
+			protocol: iptables.ProtocolIPv6,
 			noSetup:  true,
 			input:    []string{"*nat", "-A OUTPUT -p tcp -j DNAT --to-destination 10.0.0.1:80", "COMMIT"},
 			wantErr:  "not an IPv6 value",
 		},
 		{
 			name:     "IPv4 reject type in an IPv6 table",
-			protocol: ProtocolIPv6,
+			protocol: iptables.ProtocolIPv6,
 			noSetup:  true,
 			input:    []string{"*filter", "-A INPUT -j REJECT --reject-with icmp-port-unreachable", "COMMIT"},
 			wantErr:  "not an IPv6 value",
 		},
 		{
 			name:     "REJECT without a type in an IPv6 table",
-			protocol: ProtocolIPv6,
+			protocol: iptables.ProtocolIPv6,
 			noSetup:  true,
 			input:    []string{"*filter", "-A INPUT -j REJECT", "COMMIT"},
 			want:     fakeState{"filter/INPUT": {"-j REJECT"}},
 		},
 		{
 			name:     "IPv6 rules in an IPv6 table",
-			protocol: ProtocolIPv6,
+			protocol: iptables.ProtocolIPv6,
 			noSetup:  true,
 			input: []string{"*nat", ":KUBE-X - [0:0]", "-A OUTPUT -d ::5/::ff -j KUBE-X",
 				"-A KUBE-X -p tcp -j DNAT --to-destination [fd00::1]:80", "COMMIT"},
@@ -436,7 +438,7 @@ func TestFakeRestore(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			protocol := tc.protocol
 			if protocol == "" {
-				protocol = ProtocolIPv4
+				protocol = iptables.ProtocolIPv4
 			}
 			f := NewFake(protocol)
 			if !tc.noSetup {
@@ -471,17 +473,17 @@ func TestFakeRestore(t *testing.T) {
 }
 
 func TestFakeRestorePolicy(t *testing.T) {
-	f := NewFake(ProtocolIPv4)
+	f := NewFake(iptables.ProtocolIPv4)
 	mustRestore(t, f, "*filter", ":FORWARD DROP [0:0]", "COMMIT")
-	if p := f.Policy(TableFilter, ChainForward); p != "DROP" {
+	if p := f.Policy(iptables.TableFilter, iptables.ChainForward); p != "DROP" {
 		t.Errorf("FORWARD policy = %q, want DROP", p)
 	}
 	mustRestore(t, f, "*filter", ":FORWARD - [0:0]", "COMMIT")
-	if p := f.Policy(TableFilter, ChainForward); p != "DROP" {
+	if p := f.Policy(iptables.TableFilter, iptables.ChainForward); p != "DROP" {
 		t.Errorf("FORWARD policy after '-' = %q, want DROP kept", p)
 	}
 	mustRestore(t, f, "*filter", "-P FORWARD ACCEPT", "COMMIT")
-	if p := f.Policy(TableFilter, ChainForward); p != "ACCEPT" {
+	if p := f.Policy(iptables.TableFilter, iptables.ChainForward); p != "ACCEPT" {
 		t.Errorf("FORWARD policy after -P = %q, want ACCEPT", p)
 	}
 }
@@ -489,7 +491,7 @@ func TestFakeRestorePolicy(t *testing.T) {
 func TestFakeRestoreRandomFully(t *testing.T) {
 	for _, supported := range []bool{true, false} {
 		t.Run(fmt.Sprintf("supported=%t", supported), func(t *testing.T) {
-			f := NewFake(ProtocolIPv4)
+			f := NewFake(iptables.ProtocolIPv4)
 			f.RandomFully = supported
 			if f.HasRandomFully() != supported {
 				t.Fatalf("HasRandomFully() = %t", f.HasRandomFully())
@@ -513,7 +515,7 @@ func TestFakeRestoreDepthLimit(t *testing.T) {
 				lines = append(lines, fmt.Sprintf("-A C%d -j C%d", i, i+1))
 			}
 			lines = append(lines, "-A INPUT -j C1", "COMMIT")
-			err := NewFake(ProtocolIPv4).Restore(context.Background(), restoreText(lines...))
+			err := NewFake(iptables.ProtocolIPv4).Restore(context.Background(), restoreText(lines...))
 			if depth <= maxChainDepth && err != nil {
 				t.Errorf("Restore: %v", err)
 			}
@@ -525,7 +527,7 @@ func TestFakeRestoreDepthLimit(t *testing.T) {
 }
 
 func TestFakeRestoreCounters(t *testing.T) {
-	f := NewFake(ProtocolIPv4)
+	f := NewFake(iptables.ProtocolIPv4)
 	ctx := context.Background()
 	good := restoreText("*filter", ":KUBE-A - [0:0]", "COMMIT")
 	bad := restoreText("*filter", "-A NOPE -j ACCEPT", "COMMIT")
@@ -551,12 +553,12 @@ func TestFakeRestoreCounters(t *testing.T) {
 func TestFakeSaveIntoRoundTrip(t *testing.T) {
 	tests := []struct {
 		name     string
-		protocol Protocol
+		protocol iptables.Protocol
 		input    []string
 	}{
 		{
 			name:     "kube-proxy like nat and filter",
-			protocol: ProtocolIPv4,
+			protocol: iptables.ProtocolIPv4,
 			input: []string{
 				"*nat",
 				":KUBE-SERVICES - [0:0]",
@@ -582,7 +584,7 @@ func TestFakeSaveIntoRoundTrip(t *testing.T) {
 		},
 		{
 			name:     "ipv6",
-			protocol: ProtocolIPv6,
+			protocol: iptables.ProtocolIPv6,
 			input: []string{
 				"*nat",
 				":KUBE-X - [0:0]",
@@ -604,7 +606,7 @@ func TestFakeSaveIntoRoundTrip(t *testing.T) {
 			if again := saveAll(t, g); !bytes.Equal(saved, again) {
 				t.Errorf("round trip differs:\n%s\n---\n%s", saved, again)
 			}
-			if got := f.Policy(TableFilter, ChainForward); g.Policy(TableFilter, ChainForward) != got {
+			if got := f.Policy(iptables.TableFilter, iptables.ChainForward); g.Policy(iptables.TableFilter, iptables.ChainForward) != got {
 				t.Errorf("policy not restored")
 			}
 		})
@@ -612,10 +614,10 @@ func TestFakeSaveIntoRoundTrip(t *testing.T) {
 }
 
 func TestFakeSaveIntoFormat(t *testing.T) {
-	f := NewFake(ProtocolIPv4)
+	f := NewFake(iptables.ProtocolIPv4)
 	mustRestore(t, f, "*filter", ":KUBE-B - [0:0]", ":KUBE-A - [0:0]", "-A INPUT -j KUBE-B",
 		`-A KUBE-A -m comment --comment "a b" -j ACCEPT`, "COMMIT")
-	got, err := f.SaveInto(context.Background(), TableFilter)
+	got, err := f.SaveInto(context.Background(), iptables.TableFilter)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -643,47 +645,47 @@ func TestFakeSaveIntoFormat(t *testing.T) {
 
 func TestFakeInterfaceMethods(t *testing.T) {
 	ctx := context.Background()
-	f := NewFake(ProtocolIPv4)
-	var ipt Interface = f
+	f := NewFake(iptables.ProtocolIPv4)
+	var ipt iptables.Interface = f
 
-	existed, err := ipt.EnsureChain(ctx, TableNAT, "KUBE-SERVICES")
+	existed, err := ipt.EnsureChain(ctx, iptables.TableNAT, "KUBE-SERVICES")
 	if err != nil || existed {
 		t.Fatalf("EnsureChain new = %t, %v", existed, err)
 	}
-	if existed, err = ipt.EnsureChain(ctx, TableNAT, "KUBE-SERVICES"); err != nil || !existed {
+	if existed, err = ipt.EnsureChain(ctx, iptables.TableNAT, "KUBE-SERVICES"); err != nil || !existed {
 		t.Fatalf("EnsureChain again = %t, %v", existed, err)
 	}
-	if existed, err = ipt.EnsureChain(ctx, TableNAT, ChainPrerouting); err != nil || !existed {
+	if existed, err = ipt.EnsureChain(ctx, iptables.TableNAT, iptables.ChainPrerouting); err != nil || !existed {
 		t.Fatalf("EnsureChain builtin = %t, %v", existed, err)
 	}
 	if _, err = ipt.EnsureChain(ctx, "raw", "X"); err == nil {
 		t.Errorf("EnsureChain in an unknown table succeeded")
 	}
-	if _, err = ipt.EnsureChain(ctx, TableNAT, "BAD NAME"); err == nil {
+	if _, err = ipt.EnsureChain(ctx, iptables.TableNAT, "BAD NAME"); err == nil {
 		t.Errorf("EnsureChain with an invalid name succeeded")
 	}
-	if ok, err := ipt.ChainExists(ctx, TableNAT, "KUBE-SERVICES"); err != nil || !ok {
+	if ok, err := ipt.ChainExists(ctx, iptables.TableNAT, "KUBE-SERVICES"); err != nil || !ok {
 		t.Errorf("ChainExists = %t, %v", ok, err)
 	}
-	if ok, err := ipt.ChainExists(ctx, TableFilter, "KUBE-SERVICES"); err != nil || ok {
+	if ok, err := ipt.ChainExists(ctx, iptables.TableFilter, "KUBE-SERVICES"); err != nil || ok {
 		t.Errorf("ChainExists in other table = %t, %v", ok, err)
 	}
 
 	jump := []string{"-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES"}
-	if existed, err = ipt.EnsureRule(ctx, Append, TableNAT, ChainOutput, jump...); err != nil || existed {
+	if existed, err = ipt.EnsureRule(ctx, iptables.Append, iptables.TableNAT, iptables.ChainOutput, jump...); err != nil || existed {
 		t.Fatalf("EnsureRule = %t, %v", existed, err)
 	}
-	if existed, err = ipt.EnsureRule(ctx, Append, TableNAT, ChainOutput, jump...); err != nil || !existed {
+	if existed, err = ipt.EnsureRule(ctx, iptables.Append, iptables.TableNAT, iptables.ChainOutput, jump...); err != nil || !existed {
 		t.Fatalf("EnsureRule again = %t, %v", existed, err)
 	}
-	if _, err = ipt.EnsureRule(ctx, Append, TableNAT, ChainOutput, "-s", "10.0.0.1", "-j", "ACCEPT"); err != nil {
+	if _, err = ipt.EnsureRule(ctx, iptables.Append, iptables.TableNAT, iptables.ChainOutput, "-s", "10.0.0.1", "-j", "ACCEPT"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err = ipt.EnsureRule(ctx, Prepend, TableNAT, ChainOutput, "-s", "10.0.0.2", "-j", "ACCEPT"); err != nil {
+	if _, err = ipt.EnsureRule(ctx, iptables.Prepend, iptables.TableNAT, iptables.ChainOutput, "-s", "10.0.0.2", "-j", "ACCEPT"); err != nil {
 		t.Fatal(err)
 	}
 	want := []string{"-s 10.0.0.2 -j ACCEPT", `-m comment --comment "kubernetes service portals" -j KUBE-SERVICES`, "-s 10.0.0.1 -j ACCEPT"}
-	if got := f.Rules(TableNAT, ChainOutput); !slices.Equal(got, want) {
+	if got := f.Rules(iptables.TableNAT, iptables.ChainOutput); !slices.Equal(got, want) {
 		t.Errorf("rules = %q, want %q", got, want)
 	}
 	for _, bad := range [][]string{
@@ -691,55 +693,55 @@ func TestFakeInterfaceMethods(t *testing.T) {
 		{"-m", "bogus"},
 		{"-j", "DROP"}, // DROP in nat
 	} {
-		if _, err := ipt.EnsureRule(ctx, Append, TableNAT, ChainOutput, bad...); err == nil {
+		if _, err := ipt.EnsureRule(ctx, iptables.Append, iptables.TableNAT, iptables.ChainOutput, bad...); err == nil {
 			t.Errorf("EnsureRule(%q) succeeded", bad)
 		}
 	}
-	if _, err := ipt.EnsureRule(ctx, Append, TableNAT, "KUBE-MISSING", "-j", "ACCEPT"); err == nil {
+	if _, err := ipt.EnsureRule(ctx, iptables.Append, iptables.TableNAT, "KUBE-MISSING", "-j", "ACCEPT"); err == nil {
 		t.Errorf("EnsureRule in a missing chain succeeded")
 	}
-	if _, err := ipt.EnsureRule(ctx, "-X", TableNAT, ChainOutput, "-j", "RETURN"); err == nil {
+	if _, err := ipt.EnsureRule(ctx, "-X", iptables.TableNAT, iptables.ChainOutput, "-j", "RETURN"); err == nil {
 		t.Errorf("EnsureRule with a bad position succeeded")
 	}
-	if got := f.Rules(TableNAT, ChainOutput); !slices.Equal(got, want) {
+	if got := f.Rules(iptables.TableNAT, iptables.ChainOutput); !slices.Equal(got, want) {
 		t.Errorf("failed EnsureRule calls changed the rules: %q", got)
 	}
 
 	// Deleting a referenced chain fails; after the reference goes it works.
-	if err := ipt.DeleteChain(ctx, TableNAT, "KUBE-SERVICES"); err == nil || !strings.Contains(err.Error(), "referenced") {
+	if err := ipt.DeleteChain(ctx, iptables.TableNAT, "KUBE-SERVICES"); err == nil || !strings.Contains(err.Error(), "referenced") {
 		t.Errorf("DeleteChain of a referenced chain = %v", err)
 	}
-	if err := ipt.DeleteRule(ctx, TableNAT, ChainOutput, jump...); err != nil {
+	if err := ipt.DeleteRule(ctx, iptables.TableNAT, iptables.ChainOutput, jump...); err != nil {
 		t.Fatal(err)
 	}
-	if err := ipt.DeleteRule(ctx, TableNAT, ChainOutput, jump...); err != nil {
+	if err := ipt.DeleteRule(ctx, iptables.TableNAT, iptables.ChainOutput, jump...); err != nil {
 		t.Errorf("DeleteRule of an absent rule = %v", err)
 	}
-	if err := ipt.DeleteRule(ctx, TableNAT, "KUBE-NONE", "-j", "ACCEPT"); err != nil {
+	if err := ipt.DeleteRule(ctx, iptables.TableNAT, "KUBE-NONE", "-j", "ACCEPT"); err != nil {
 		t.Errorf("DeleteRule in an absent chain = %v", err)
 	}
-	if _, err := ipt.EnsureRule(ctx, Append, TableNAT, "KUBE-SERVICES", "-j", "RETURN"); err != nil {
+	if _, err := ipt.EnsureRule(ctx, iptables.Append, iptables.TableNAT, "KUBE-SERVICES", "-j", "RETURN"); err != nil {
 		t.Fatal(err)
 	}
-	if err := ipt.DeleteChain(ctx, TableNAT, "KUBE-SERVICES"); err == nil || !strings.Contains(err.Error(), "not empty") {
+	if err := ipt.DeleteChain(ctx, iptables.TableNAT, "KUBE-SERVICES"); err == nil || !strings.Contains(err.Error(), "not empty") {
 		t.Errorf("DeleteChain of a non-empty chain = %v", err)
 	}
-	if err := ipt.FlushChain(ctx, TableNAT, "KUBE-SERVICES"); err != nil {
+	if err := ipt.FlushChain(ctx, iptables.TableNAT, "KUBE-SERVICES"); err != nil {
 		t.Fatal(err)
 	}
-	if err := ipt.FlushChain(ctx, TableNAT, "KUBE-NONE"); err != nil {
+	if err := ipt.FlushChain(ctx, iptables.TableNAT, "KUBE-NONE"); err != nil {
 		t.Errorf("FlushChain of an absent chain = %v", err)
 	}
-	if err := ipt.DeleteChain(ctx, TableNAT, "KUBE-SERVICES"); err != nil {
+	if err := ipt.DeleteChain(ctx, iptables.TableNAT, "KUBE-SERVICES"); err != nil {
 		t.Errorf("DeleteChain = %v", err)
 	}
-	if err := ipt.DeleteChain(ctx, TableNAT, "KUBE-SERVICES"); err != nil {
+	if err := ipt.DeleteChain(ctx, iptables.TableNAT, "KUBE-SERVICES"); err != nil {
 		t.Errorf("DeleteChain of an absent chain = %v", err)
 	}
-	if err := ipt.DeleteChain(ctx, TableNAT, ChainOutput); err == nil {
+	if err := ipt.DeleteChain(ctx, iptables.TableNAT, iptables.ChainOutput); err == nil {
 		t.Errorf("DeleteChain of a built-in chain succeeded")
 	}
-	chains, err := ipt.ListChains(ctx, TableNAT)
+	chains, err := ipt.ListChains(ctx, iptables.TableNAT)
 	if err != nil || !slices.Equal(chains, []string{"PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"}) {
 		t.Errorf("ListChains = %v, %v", chains, err)
 	}
@@ -750,7 +752,7 @@ func TestFakeInterfaceMethods(t *testing.T) {
 
 // TestFakeConcurrentUse exercises the mutex under -race.
 func TestFakeConcurrentUse(t *testing.T) {
-	f := NewFake(ProtocolIPv4)
+	f := NewFake(iptables.ProtocolIPv4)
 	ctx := context.Background()
 	var wg sync.WaitGroup
 	for i := range 4 {
@@ -763,14 +765,14 @@ func TestFakeConcurrentUse(t *testing.T) {
 					t.Error(err)
 					return
 				}
-				_ = f.Rules(TableFilter, Chain(chain))
-				_, _ = f.SaveInto(ctx, TableFilter)
+				_ = f.Rules(iptables.TableFilter, iptables.Chain(chain))
+				_, _ = f.SaveInto(ctx, iptables.TableFilter)
 				_, _ = f.Trace(Packet{Source: mustAddr("10.0.0.1"), Destination: mustAddr("10.0.0.2"), Protocol: "tcp", SourcePort: 1, DestinationPort: 2}, TraceOptions{})
 			}
 		}()
 	}
 	wg.Wait()
-	if n := len(f.Chains(TableFilter)); n != 3+4*20 {
+	if n := len(f.Chains(iptables.TableFilter)); n != 3+4*20 {
 		t.Errorf("%d chains, want %d", n, 3+4*20)
 	}
 }
@@ -796,7 +798,7 @@ func FuzzRestore(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
-		for _, protocol := range []Protocol{ProtocolIPv4, ProtocolIPv6} {
+		for _, protocol := range []iptables.Protocol{iptables.ProtocolIPv4, iptables.ProtocolIPv6} {
 			fk := NewFake(protocol)
 			_ = fk.Restore(context.Background(), data)
 			saved := saveAll(t, fk)
@@ -809,7 +811,7 @@ func FuzzRestore(f *testing.F) {
 			}
 			// Tracing whatever was loaded must not panic (errors are fine).
 			src, dst := mustAddr("10.0.0.5"), mustAddr("10.96.0.5")
-			if protocol == ProtocolIPv6 {
+			if protocol == iptables.ProtocolIPv6 {
 				src, dst = mustAddr("fd00::5"), mustAddr("fd00:96::5")
 			}
 			for _, origin := range []Origin{OriginExternal, OriginLocal} {
