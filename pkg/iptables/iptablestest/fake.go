@@ -95,7 +95,12 @@ func (t *fakeTable) chainNames() []iptables.Chain {
 	return append(names, user...)
 }
 
-func (f *Fake) table(table iptables.Table) (*fakeTable, error) {
+// table looks table up for an operation under ctx: like the real
+// implementation, every operation fails once ctx is done.
+func (f *Fake) table(ctx context.Context, table iptables.Table) (*fakeTable, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	t, ok := f.tables[table]
 	if !ok {
 		return nil, fmt.Errorf("unknown table %q", table)
@@ -113,14 +118,14 @@ func (f *Fake) HasRandomFully() bool { return f.RandomFully }
 func (f *Fake) EnsureChain(ctx context.Context, table iptables.Table, chain iptables.Chain) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return false, err
 	}
 	if _, ok := t.chains[chain]; ok {
 		return true, nil
 	}
-	if err := validChainName(table, chain); err != nil {
+	if err := validNewChainName(chain); err != nil {
 		return false, err
 	}
 	t.chains[chain] = &fakeChain{name: chain}
@@ -131,7 +136,7 @@ func (f *Fake) EnsureChain(ctx context.Context, table iptables.Table, chain ipta
 func (f *Fake) ChainExists(ctx context.Context, table iptables.Table, chain iptables.Chain) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return false, err
 	}
@@ -144,7 +149,7 @@ func (f *Fake) ChainExists(ctx context.Context, table iptables.Table, chain ipta
 func (f *Fake) ListChains(ctx context.Context, table iptables.Table) ([]string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return nil, err
 	}
@@ -159,7 +164,7 @@ func (f *Fake) ListChains(ctx context.Context, table iptables.Table) ([]string, 
 func (f *Fake) EnsureRule(ctx context.Context, position iptables.RulePosition, table iptables.Table, chain iptables.Chain, args ...string) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return false, err
 	}
@@ -190,13 +195,18 @@ func (f *Fake) EnsureRule(ctx context.Context, position iptables.RulePosition, t
 	return false, nil
 }
 
-// DeleteRule implements Interface.
+// DeleteRule implements Interface. Like iptables it parses the rule first,
+// so a rule iptables cannot parse is an error even when it is absent.
 func (f *Fake) DeleteRule(ctx context.Context, table iptables.Table, chain iptables.Chain, args ...string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return err
+	}
+	// iptables parses the rule before it looks for it.
+	if _, err := f.parseRule(args); err != nil {
+		return fmt.Errorf("deleting rule from %s/%s: %w", table, chain, err)
 	}
 	c, ok := t.chains[chain]
 	if !ok {
@@ -212,7 +222,7 @@ func (f *Fake) DeleteRule(ctx context.Context, table iptables.Table, chain iptab
 func (f *Fake) FlushChain(ctx context.Context, table iptables.Table, chain iptables.Chain) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return err
 	}
@@ -227,7 +237,7 @@ func (f *Fake) FlushChain(ctx context.Context, table iptables.Table, chain iptab
 func (f *Fake) DeleteChain(ctx context.Context, table iptables.Table, chain iptables.Chain) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return err
 	}
@@ -249,7 +259,7 @@ func (f *Fake) DeleteChain(ctx context.Context, table iptables.Table, chain ipta
 func (f *Fake) SaveInto(ctx context.Context, table iptables.Table) ([]byte, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return nil, err
 	}
@@ -269,13 +279,51 @@ func (f *Fake) SaveInto(ctx context.Context, table iptables.Table) ([]byte, erro
 			fmt.Fprintf(&b, "-A %s", name)
 			if len(r.args) > 0 {
 				b.WriteByte(' ')
-				b.WriteString(iptables.JoinArgs(r.args))
+				b.WriteString(saveArgs(r.args))
 			}
 			b.WriteByte('\n')
 		}
 	}
 	b.WriteString("COMMIT\n# Completed\n")
 	return b.Bytes(), nil
+}
+
+// saveArgs renders a rule's arguments as iptables-save prints them: the
+// text of --comment and --log-prefix is quoted unless it is a plain word
+// (letters, digits, '-' and '_'), with `"`, `\` and `'` escaped; other
+// arguments as iptables.QuoteArg renders them. Both read back the same with
+// iptables.SplitArgs.
+func saveArgs(args []string) string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		if i > 0 && (args[i-1] == "--comment" || args[i-1] == "--log-prefix") {
+			out[i] = saveString(a)
+		} else {
+			out[i] = iptables.QuoteArg(a)
+		}
+	}
+	return strings.Join(out, " ")
+}
+
+func saveString(s string) string {
+	plain := s != ""
+	for i := 0; i < len(s) && plain; i++ {
+		c := s[i]
+		plain = c == '-' || c == '_' || (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')
+	}
+	if plain {
+		return s
+	}
+	var b strings.Builder
+	b.WriteByte('"')
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c == '"' || c == '\\' || c == '\'' {
+			b.WriteByte('\\')
+		}
+		b.WriteByte(s[i])
+	}
+	b.WriteByte('"')
+	return b.String()
 }
 
 // Chains lists table's chains (built-in first, then user chains sorted); nil
@@ -376,7 +424,7 @@ func (f *Fake) Restore(ctx context.Context, data []byte) error {
 			if tx != nil {
 				return lineErr(n, fmt.Errorf("table %s (line %d) has no COMMIT", tx.t.name, startLine))
 			}
-			t, err := f.table(iptables.Table(line[1:]))
+			t, err := f.table(ctx, iptables.Table(line[1:]))
 			if err != nil {
 				return lineErr(n, err)
 			}
@@ -535,7 +583,7 @@ func (tx *txn) declare(decl string) error {
 		}
 		return nil
 	}
-	if err := validChainName(tx.t.name, name); err != nil {
+	if err := validChainName(name); err != nil {
 		return err
 	}
 	tx.create(name)
@@ -637,7 +685,7 @@ func (tx *txn) command(line string, n int) error {
 		if tx.chain(chain) != nil {
 			return fmt.Errorf("chain %s already exists", chain)
 		}
-		if err := validChainName(tx.t.name, chain); err != nil {
+		if err := validNewChainName(chain); err != nil {
 			return err
 		}
 		tx.create(chain)
@@ -741,6 +789,19 @@ func (tx *txn) checkRule(c *fakeChain, r *Rule) error {
 	return nil
 }
 
+// parseRule parses the rule of a delete: the checks iptables makes before
+// it looks the rule up.
+func (f *Fake) parseRule(args []string) (*Rule, error) {
+	r, err := ParseRule(args)
+	if err != nil {
+		return nil, fmt.Errorf("bad rule: %w", err)
+	}
+	if err := checkRuleFamily(r, f.protocol); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
 func jumpFlag(t *Target) string {
 	if t.Goto {
 		return "-g"
@@ -800,6 +861,13 @@ func (tx *txn) deleteRule(chain iptables.Chain, args []string) error {
 		c = tx.writable(chain)
 		c.rules = slices.Delete(c.rules, pos-1, pos)
 		return nil
+	}
+	r, err := tx.f.parseRule(args)
+	if err != nil {
+		return err
+	}
+	if t := r.Target; t != nil && t.Chain && tx.chain(iptables.Chain(t.Name)) == nil {
+		return fmt.Errorf("chain %s does not exist (target of %s)", t.Name, jumpFlag(t))
 	}
 	i := slices.IndexFunc(c.rules, func(r *fakeRule) bool { return slices.Equal(r.args, args) })
 	if i < 0 {
@@ -1019,13 +1087,9 @@ func (tx *txn) validateOrder(chains []*fakeChain) error {
 	return nil
 }
 
-var builtinChainNames = map[iptables.Chain]bool{
-	iptables.ChainPrerouting: true, iptables.ChainInput: true, iptables.ChainForward: true, iptables.ChainOutput: true, iptables.ChainPostrouting: true,
-}
-
-// validChainName applies iptables' chain name rules, plus: no names that
-// need quoting, and no built-in chain or target names.
-func validChainName(table iptables.Table, name iptables.Chain) error {
+// validChainName applies the chain name rules of iptables-restore's chain
+// declarations, plus: no names that need quoting.
+func validChainName(name iptables.Chain) error {
 	s := string(name)
 	switch {
 	case s == "":
@@ -1034,10 +1098,6 @@ func validChainName(table iptables.Table, name iptables.Chain) error {
 		return fmt.Errorf("chain name %q too long (max %d)", s, MaxChainNameLength)
 	case s[0] == '-' || s[0] == '!':
 		return fmt.Errorf("chain name %q may not start with %q", s, s[0])
-	case IsBuiltinTarget(s):
-		return fmt.Errorf("chain name %q clashes with a target name", s)
-	case builtinChainNames[name]:
-		return fmt.Errorf("chain name %q is a built-in chain name, not valid as a user chain in table %s", s, table)
 	}
 	for i := 0; i < len(s); i++ {
 		if c := s[i]; c <= ' ' || c >= 0x7f || c == '"' || c == '\'' || c == '\\' {
@@ -1045,4 +1105,14 @@ func validChainName(table iptables.Table, name iptables.Chain) error {
 		}
 	}
 	return nil
+}
+
+// validNewChainName adds the rule of `iptables -N` (EnsureChain, and -N in
+// restore input) to validChainName: no target names. A chain declaration in
+// restore input may take a target's name.
+func validNewChainName(name iptables.Chain) error {
+	if IsBuiltinTarget(string(name)) {
+		return fmt.Errorf("chain name %q clashes with a target name", name)
+	}
+	return validChainName(name)
 }
