@@ -1,6 +1,8 @@
-// Package iptables is kproxy's small interface to iptables: one real
-// implementation (iptables-restore, go-iptables) and one fake that parses and
-// executes restore input against an in-memory ruleset.
+// Package iptables is kproxy's small interface to iptables and its real
+// implementation (iptables-restore, go-iptables), with the helpers rule
+// rendering needs (Comment, SplitArgs, JoinArgs). The in-memory fake, its
+// rule parser and the packet tracer live in package iptablestest, which
+// production code never imports.
 package iptables
 
 import (

@@ -10,13 +10,14 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
 	"github.com/kproxy/kproxy/proxier"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
 )
 
 // fakeTracer traces proxiertest flows through the fake iptables.
 type fakeTracer struct {
-	fake  *ipt.Fake
+	fake  *iptablestest.Fake
 	local []netip.Addr
 }
 
@@ -24,19 +25,19 @@ func (f *fakeTracer) Trace(flow pt.Flow) (pt.Result, error) {
 	return traceFlow(f.fake, f.local, flow, nil)
 }
 
-func traceFlow(fake *ipt.Fake, local []netip.Addr, flow pt.Flow, recent map[string][]netip.Addr) (pt.Result, error) {
-	origin := ipt.OriginExternal
+func traceFlow(fake *iptablestest.Fake, local []netip.Addr, flow pt.Flow, recent map[string][]netip.Addr) (pt.Result, error) {
+	origin := iptablestest.OriginExternal
 	if flow.Origin == pt.FromHost {
-		origin = ipt.OriginLocal
+		origin = iptablestest.OriginLocal
 	}
 	proto := strings.ToLower(string(flow.Protocol))
 	if proto == "" {
 		proto = "tcp"
 	}
-	outs, err := fake.Trace(ipt.Packet{
+	outs, err := fake.Trace(iptablestest.Packet{
 		Source: netip.MustParseAddr(flow.Source), Destination: netip.MustParseAddr(flow.Dest),
 		Protocol: proto, SourcePort: 40000, DestinationPort: flow.Port, Origin: origin,
-	}, ipt.TraceOptions{LocalAddrs: local, Recent: recent})
+	}, iptablestest.TraceOptions{LocalAddrs: local, Recent: recent})
 	if err != nil {
 		return pt.Result{}, err
 	}
@@ -70,12 +71,12 @@ func traceFlow(fake *ipt.Fake, local []netip.Addr, flow pt.Flow, recent map[stri
 	return res, nil
 }
 
-func newFakeBackend(t testing.TB, env pt.Env) (*Backend, *ipt.Fake) {
+func newFakeBackend(t testing.TB, env pt.Env) (*Backend, *iptablestest.Fake) {
 	proto := ipt.ProtocolIPv4
 	if env.Family == v1.IPv6Protocol {
 		proto = ipt.ProtocolIPv6
 	}
-	fake := ipt.NewFake(proto)
+	fake := iptablestest.NewFake(proto)
 	fake.RandomFully = true
 	local := append([]netip.Addr{}, env.NodeIPs...)
 	b, err := New(Options{
@@ -103,7 +104,7 @@ func TestNewValidates(t *testing.T) {
 		opts Options
 	}{
 		{"no iptables", Options{}},
-		{"mark bit out of range", Options{IPTables: ipt.NewFake(ipt.ProtocolIPv4), MasqueradeBit: &bad}},
+		{"mark bit out of range", Options{IPTables: iptablestest.NewFake(ipt.ProtocolIPv4), MasqueradeBit: &bad}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if _, err := New(tc.opts); err == nil {

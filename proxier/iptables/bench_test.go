@@ -17,6 +17,7 @@ import (
 	testingclock "k8s.io/utils/clock/testing"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
 	"github.com/kproxy/kproxy/pkg/netnstest"
 	"github.com/kproxy/kproxy/proxier"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
@@ -141,13 +142,13 @@ func benchOnce(b *testing.B, n int) {
 	// Rules walked: the same state in the fake, traced to every service; the
 	// worst case is reported (upstream walks one rule per service before
 	// reaching the last one).
-	fake := ipt.NewFake(ipt.ProtocolIPv4)
+	fake := iptablestest.NewFake(ipt.ProtocolIPv4)
 	frig := newBenchRig(b, fake, svcs, slices)
 	timedSync(b, frig.engine)
 	maxWalk := 0
 	for i := 0; i < n; i += max(1, n/200) {
-		outs, err := fake.Trace(ipt.Packet{Source: netip.MustParseAddr("10.244.1.9"), Destination: netip.MustParseAddr(svcs[i].Spec.ClusterIP),
-			Protocol: "tcp", SourcePort: 1, DestinationPort: 80}, ipt.TraceOptions{LocalAddrs: []netip.Addr{netip.MustParseAddr("10.0.0.1")}})
+		outs, err := fake.Trace(iptablestest.Packet{Source: netip.MustParseAddr("10.244.1.9"), Destination: netip.MustParseAddr(svcs[i].Spec.ClusterIP),
+			Protocol: "tcp", SourcePort: 1, DestinationPort: 80}, iptablestest.TraceOptions{LocalAddrs: []netip.Addr{netip.MustParseAddr("10.0.0.1")}})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -172,7 +173,7 @@ func benchOnce(b *testing.B, n int) {
 
 // natWalk counts the nat PREROUTING rules an outcome evaluated up to its DNAT:
 // the dispatch walk.
-func natWalk(o ipt.Outcome) int {
+func natWalk(o iptablestest.Outcome) int {
 	return o.RulesEvaluated
 }
 
@@ -183,7 +184,7 @@ func BenchmarkPartialSyncCPU(b *testing.B) {
 	for _, n := range pt.BenchSizes() {
 		b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
 			svcs, slices := pt.Workload(n)
-			rig := newBenchRig(b, ipt.NewFake(ipt.ProtocolIPv4), svcs, slices)
+			rig := newBenchRig(b, iptablestest.NewFake(ipt.ProtocolIPv4), svcs, slices)
 			timedSync(b, rig.engine)
 			prev := slices[n-1]
 			b.ResetTimer()

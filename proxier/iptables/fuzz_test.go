@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/sets"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
 	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
@@ -55,7 +56,7 @@ func FuzzRender(f *testing.F) {
 		opts := proxy.DecisionOptions{ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"), NodeIP: netip.MustParseAddr("10.0.0.1")}
 		st := &proxy.NodeState{Family: v1.IPv4Protocol, NodeName: "node-0", Options: opts, Changed: sets.New[types.NamespacedName](),
 			Services: map[proxy.ServicePortName]*proxy.ServiceState{sp.Name: proxy.NewServiceState(sp, eps, proxy.TopologyInfo{NodeName: "node-0"}, opts)}}
-		fake := ipt.NewFake(ipt.ProtocolIPv4)
+		fake := iptablestest.NewFake(ipt.ProtocolIPv4)
 		b, err := New(Options{IPTables: fake,
 			LocalAddresses: func() ([]netip.Addr, error) { return []netip.Addr{netip.MustParseAddr("10.0.0.1")}, nil }})
 		if err != nil {
@@ -67,8 +68,8 @@ func FuzzRender(f *testing.F) {
 		if cip == netip.MustParseAddr("10.0.0.1") || cip.IsLoopback() {
 			return
 		}
-		outs, err := fake.Trace(ipt.Packet{Source: netip.MustParseAddr("10.244.9.9"), Destination: cip, Protocol: string(toLower(proto)),
-			SourcePort: 1, DestinationPort: int(port)}, ipt.TraceOptions{LocalAddrs: []netip.Addr{netip.MustParseAddr("10.0.0.1")}})
+		outs, err := fake.Trace(iptablestest.Packet{Source: netip.MustParseAddr("10.244.9.9"), Destination: cip, Protocol: string(toLower(proto)),
+			SourcePort: 1, DestinationPort: int(port)}, iptablestest.TraceOptions{LocalAddrs: []netip.Addr{netip.MustParseAddr("10.0.0.1")}})
 		if err != nil {
 			t.Fatalf("trace: %v", err)
 		}
@@ -81,7 +82,7 @@ func FuzzRender(f *testing.F) {
 		for _, ep := range internal {
 			want.Insert(ep.String())
 		}
-		got := sets.New(ipt.Endpoints(outs)...)
+		got := sets.New(iptablestest.Endpoints(outs)...)
 		if !got.Equal(want) {
 			t.Fatalf("clusterIP reaches %v, want %v", sets.List(got), sets.List(want))
 		}

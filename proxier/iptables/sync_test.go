@@ -15,6 +15,7 @@ import (
 	testingclock "k8s.io/utils/clock/testing"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
 	"github.com/kproxy/kproxy/proxier"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
 )
@@ -22,7 +23,7 @@ import (
 // harness drives a real engine over a backend on the fake iptables.
 type harness struct {
 	t       *testing.T
-	fake    *ipt.Fake
+	fake    *iptablestest.Fake
 	iface   *flakyIPTables
 	backend *Backend
 	engine  *proxier.Engine
@@ -33,7 +34,7 @@ type harness struct {
 // flakyIPTables wraps the fake and fails the next failRestores restores,
 // as a kernel that refuses a batch would.
 type flakyIPTables struct {
-	*ipt.Fake
+	*iptablestest.Fake
 	failRestores int
 }
 
@@ -45,10 +46,10 @@ func (f *flakyIPTables) Restore(ctx context.Context, data []byte) error {
 	return f.Fake.Restore(ctx, data)
 }
 
-func newHarness(t *testing.T, fake *ipt.Fake, opts Options) *harness {
+func newHarness(t *testing.T, fake *iptablestest.Fake, opts Options) *harness {
 	t.Helper()
 	if fake == nil {
-		fake = ipt.NewFake(ipt.ProtocolIPv4)
+		fake = iptablestest.NewFake(ipt.ProtocolIPv4)
 		fake.RandomFully = true
 	}
 	h := &harness{t: t, fake: fake, iface: &flakyIPTables{Fake: fake},
@@ -204,7 +205,7 @@ func TestServiceDeletionRemovesChains(t *testing.T) {
 }
 
 func TestRestartOverExistingRules(t *testing.T) {
-	fake := ipt.NewFake(ipt.ProtocolIPv4)
+	fake := iptablestest.NewFake(ipt.ProtocolIPv4)
 	// Someone else's rules, which must survive.
 	if err := fake.Restore(context.Background(), []byte("*nat\n:KUBE-SERVICES - [0:0]\n:MY-CHAIN - [0:0]\n-A MY-CHAIN -j RETURN\n-A PREROUTING -j KUBE-SERVICES\nCOMMIT\n")); err != nil {
 		t.Fatal(err)
@@ -327,12 +328,12 @@ func TestSessionAffinitySticks(t *testing.T) {
 	h.engine.OnEndpointSliceAdd(pt.Slice("aff", 8080, pt.EP{IP: "10.244.2.1", Node: "node-b"}, pt.EP{IP: "10.244.2.2", Node: "node-b"}, pt.EP{IP: "10.244.2.3", Node: "node-b"}))
 	h.sync()
 	client := netip.MustParseAddr("10.244.1.9")
-	outs, err := h.fake.Trace(ipt.Packet{Source: client, Destination: netip.MustParseAddr("10.96.0.70"), Protocol: "tcp", SourcePort: 1, DestinationPort: 80}, ipt.TraceOptions{LocalAddrs: h.local})
+	outs, err := h.fake.Trace(iptablestest.Packet{Source: client, Destination: netip.MustParseAddr("10.96.0.70"), Protocol: "tcp", SourcePort: 1, DestinationPort: 80}, iptablestest.TraceOptions{LocalAddrs: h.local})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(ipt.Endpoints(outs)) != 3 {
-		t.Fatalf("first packet reaches %v, want all 3 endpoints", ipt.Endpoints(outs))
+	if len(iptablestest.Endpoints(outs)) != 3 {
+		t.Fatalf("first packet reaches %v, want all 3 endpoints", iptablestest.Endpoints(outs))
 	}
 	for _, o := range outs {
 		if len(o.RecentSet) != 1 {
@@ -356,7 +357,7 @@ func TestSessionAffinitySticks(t *testing.T) {
 }
 
 func TestCleanup(t *testing.T) {
-	fake := ipt.NewFake(ipt.ProtocolIPv4)
+	fake := iptablestest.NewFake(ipt.ProtocolIPv4)
 	if err := fake.Restore(context.Background(), []byte("*nat\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\nCOMMIT\n*filter\n:DOCKER - [0:0]\n-A FORWARD -j DOCKER\nCOMMIT\n")); err != nil {
 		t.Fatal(err)
 	}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kproxy/kproxy/pkg/ipset"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
 	"github.com/kproxy/kproxy/pkg/ipvs"
 	"github.com/kproxy/kproxy/pkg/netlink"
 	"github.com/kproxy/kproxy/proxier"
@@ -25,7 +26,7 @@ type fakeKernel struct {
 	ipvs    *ipvs.Fake
 	nl      *netlink.Fake
 	sets    *ipset.Fake
-	ipt     *ipt.Fake
+	ipt     *iptablestest.Fake
 	sysctl  *FakeSysctl
 	ipv6    bool
 	nodeIPs []netip.Addr
@@ -41,7 +42,7 @@ func newFakeKernel(t testing.TB, family v1.IPFamily, nodeIPs []netip.Addr) *fake
 	if k.ipv6 {
 		proto = ipt.ProtocolIPv6
 	}
-	k.ipt = ipt.NewFake(proto)
+	k.ipt = iptablestest.NewFake(proto)
 	k.ipt.RandomFully = true
 	k.sets.Referenced = func(name string) bool {
 		for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
@@ -96,9 +97,9 @@ func (tr *tracer) Trace(f pt.Flow) (pt.Result, error) {
 		proto = "tcp"
 	}
 	src, dst := netip.MustParseAddr(f.Source), netip.MustParseAddr(f.Dest)
-	origin := ipt.OriginExternal
+	origin := iptablestest.OriginExternal
 	if f.Origin == pt.FromHost {
-		origin = ipt.OriginLocal
+		origin = iptablestest.OriginLocal
 	}
 	sets, err := tr.traceSets()
 	if err != nil {
@@ -108,8 +109,8 @@ func (tr *tracer) Trace(f pt.Flow) (pt.Result, error) {
 	if err != nil {
 		return pt.Result{}, err
 	}
-	opts := ipt.TraceOptions{LocalAddrs: local, IPSets: sets}
-	outs, err := scratch.Trace(ipt.Packet{Source: src, Destination: dst, Protocol: proto, SourcePort: 40000, DestinationPort: f.Port, Origin: origin}, opts)
+	opts := iptablestest.TraceOptions{LocalAddrs: local, IPSets: sets}
+	outs, err := scratch.Trace(iptablestest.Packet{Source: src, Destination: dst, Protocol: proto, SourcePort: 40000, DestinationPort: f.Port, Origin: origin}, opts)
 	if err != nil {
 		return pt.Result{}, err
 	}
@@ -163,7 +164,7 @@ func (tr *tracer) Trace(f pt.Flow) (pt.Result, error) {
 		verdicts[pt.Delivered] = true
 		for _, ep := range reals {
 			masq := o.Masquerade
-			if origin == ipt.OriginExternal {
+			if origin == iptablestest.OriginExternal {
 				// IPVS sends the rewritten packet out through LOCAL_OUT and
 				// POSTROUTING, with the mark it got in PREROUTING.
 				if masq, err = tr.postIPVS(src, ep, proto, o.Mark, local, sets); err != nil {
@@ -220,8 +221,8 @@ func (tr *tracer) postIPVS(src netip.Addr, ep netip.AddrPort, proto string, mark
 	if err != nil {
 		return false, err
 	}
-	outs, err := scratch.Trace(ipt.Packet{Source: src, Destination: ep.Addr(), Protocol: proto, SourcePort: 40000,
-		DestinationPort: int(ep.Port()), Origin: ipt.OriginLocal}, ipt.TraceOptions{LocalAddrs: local, IPSets: sets})
+	outs, err := scratch.Trace(iptablestest.Packet{Source: src, Destination: ep.Addr(), Protocol: proto, SourcePort: 40000,
+		DestinationPort: int(ep.Port()), Origin: iptablestest.OriginLocal}, iptablestest.TraceOptions{LocalAddrs: local, IPSets: sets})
 	if err != nil {
 		return false, err
 	}
@@ -266,9 +267,9 @@ func (tr *tracer) traceSets() (map[string][]string, error) {
 // set match (which the fake's tracer cannot evaluate) expanded into one
 // rule per set entry. A non-zero mark makes it the output path of a packet
 // IPVS rewrote: mangle OUTPUT sets the mark and nat OUTPUT is empty.
-func (tr *tracer) scratch(mark uint32) (*ipt.Fake, error) {
+func (tr *tracer) scratch(mark uint32) (*iptablestest.Fake, error) {
 	ctx := context.Background()
-	out := ipt.NewFake(tr.k.ipt.Protocol())
+	out := iptablestest.NewFake(tr.k.ipt.Protocol())
 	out.RandomFully = tr.k.ipt.RandomFully
 	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
 		data, err := tr.k.ipt.SaveInto(ctx, table)

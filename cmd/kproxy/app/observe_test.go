@@ -18,6 +18,7 @@ import (
 
 	"github.com/kproxy/kproxy/pkg/healthcheck"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
 	"github.com/kproxy/kproxy/pkg/metrics"
 	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
@@ -155,7 +156,7 @@ func TestAfterSync(t *testing.T) {
 func TestRuleCountingBackend(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	b, err := iptbackend.New(iptbackend.Options{
-		IPTables:       ipt.NewFake(ipt.ProtocolIPv4),
+		IPTables:       iptablestest.NewFake(ipt.ProtocolIPv4),
 		LocalAddresses: func() ([]netip.Addr, error) { return []netip.Addr{netip.MustParseAddr("192.0.2.1")}, nil },
 	})
 	if err != nil {

@@ -18,6 +18,7 @@ import (
 
 	"github.com/kproxy/kproxy/pkg/conntrack"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
 	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
@@ -40,7 +41,7 @@ func waitUntil(t *testing.T, cond func() bool, what string) {
 // fake /proc/sys and a fake conntrack table.
 type runHarness struct {
 	client *fake.Clientset
-	ipt    *ipt.Fake
+	ipt    *iptablestest.Fake
 	sys    *conntrack.FakeSysctl
 	ct     *conntrack.Fake
 	cancel context.CancelFunc
@@ -56,7 +57,7 @@ func startRun(t *testing.T, ct *conntrack.Fake, objects ...runtime.Object) *runH
 	t.Cleanup(cancel)
 	h := &runHarness{
 		client: fake.NewClientset(objects...),
-		ipt:    ipt.NewFake(ipt.ProtocolIPv4),
+		ipt:    iptablestest.NewFake(ipt.ProtocolIPv4),
 		sys: conntrack.NewFakeSysctl(map[string]int{
 			conntrack.SysctlMax: 262144, conntrack.SysctlTCPTimeoutEstablished: 432000, conntrack.SysctlTCPTimeoutCloseWait: 60,
 			conntrack.SysctlTCPBeLiberal: 0, conntrack.SysctlUDPTimeout: 30, conntrack.SysctlUDPTimeoutStream: 120,

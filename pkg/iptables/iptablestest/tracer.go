@@ -1,4 +1,4 @@
-package iptables
+package iptablestest
 
 import (
 	"fmt"
@@ -6,6 +6,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/kproxy/kproxy/pkg/iptables"
 )
 
 // This file is the packet tracer: it walks the Fake's ruleset for the first
@@ -120,7 +122,7 @@ type tracer struct {
 	pkt  Packet
 	opts TraceOptions
 	// hook is the built-in chain being traversed.
-	hook Chain
+	hook iptables.Chain
 }
 
 // result is a world after a chain: verdict "" means it returned to the
@@ -154,8 +156,8 @@ func (f *Fake) Trace(p Packet, opts TraceOptions) ([]Outcome, error) {
 	tr := &tracer{f: f, pkt: p, opts: opts}
 	start := traceState{dst: p.Destination, dport: p.DestinationPort}
 	type stage struct {
-		table Table
-		chain Chain
+		table iptables.Table
+		chain iptables.Chain
 	}
 	run := func(states []traceState, stages []stage, done *[]result) ([]traceState, error) {
 		for _, sg := range stages {
@@ -180,19 +182,19 @@ func (f *Fake) Trace(p Packet, opts TraceOptions) ([]Outcome, error) {
 	var done []result
 	var err error
 	states := []traceState{start}
-	inputStages := []stage{{TableMangle, ChainInput}, {TableFilter, ChainInput}, {TableNAT, ChainInput}}
+	inputStages := []stage{{iptables.TableMangle, iptables.ChainInput}, {iptables.TableFilter, iptables.ChainInput}, {iptables.TableNAT, iptables.ChainInput}}
 	switch p.Origin {
 	case OriginLocal:
 		states, err = run(states, []stage{
-			{TableMangle, ChainOutput}, {TableNAT, ChainOutput}, {TableFilter, ChainOutput},
-			{TableMangle, ChainPostrouting}, {TableNAT, ChainPostrouting},
+			{iptables.TableMangle, iptables.ChainOutput}, {iptables.TableNAT, iptables.ChainOutput}, {iptables.TableFilter, iptables.ChainOutput},
+			{iptables.TableMangle, iptables.ChainPostrouting}, {iptables.TableNAT, iptables.ChainPostrouting},
 		}, &done)
 		if err != nil {
 			return nil, err
 		}
 		// Local delivery over loopback: the nat INPUT chain is not consulted
 		// for a connection whose NAT was set up on output.
-		inputStages = []stage{{TableMangle, ChainPrerouting}, {TableMangle, ChainInput}, {TableFilter, ChainInput}}
+		inputStages = []stage{{iptables.TableMangle, iptables.ChainPrerouting}, {iptables.TableMangle, iptables.ChainInput}, {iptables.TableFilter, iptables.ChainInput}}
 		for i := range states {
 			states[i].inIface = "lo"
 		}
@@ -200,7 +202,7 @@ func (f *Fake) Trace(p Packet, opts TraceOptions) ([]Outcome, error) {
 		for i := range states {
 			states[i].inIface = p.InInterface
 		}
-		states, err = run(states, []stage{{TableMangle, ChainPrerouting}, {TableNAT, ChainPrerouting}}, &done)
+		states, err = run(states, []stage{{iptables.TableMangle, iptables.ChainPrerouting}, {iptables.TableNAT, iptables.ChainPrerouting}}, &done)
 		if err != nil {
 			return nil, err
 		}
@@ -213,8 +215,8 @@ func (f *Fake) Trace(p Packet, opts TraceOptions) ([]Outcome, error) {
 			final, err = run([]traceState{st}, inputStages, &done)
 		} else if p.Origin == OriginExternal {
 			final, err = run([]traceState{st}, []stage{
-				{TableMangle, ChainForward}, {TableFilter, ChainForward},
-				{TableMangle, ChainPostrouting}, {TableNAT, ChainPostrouting},
+				{iptables.TableMangle, iptables.ChainForward}, {iptables.TableFilter, iptables.ChainForward},
+				{iptables.TableMangle, iptables.ChainPostrouting}, {iptables.TableNAT, iptables.ChainPostrouting},
 			}, &done)
 		} else {
 			final = []traceState{st}
@@ -250,7 +252,7 @@ func (f *Fake) Trace(p Packet, opts TraceOptions) ([]Outcome, error) {
 }
 
 func (f *Fake) checkPacket(p Packet) error {
-	v6 := f.protocol == ProtocolIPv6
+	v6 := f.protocol == iptables.ProtocolIPv6
 	for _, a := range []netip.Addr{p.Source, p.Destination} {
 		if !a.IsValid() || a.Is4In6() || a.Is6() != v6 || a.Zone() != "" {
 			return fmt.Errorf("packet address %v is not a plain %s address", a, f.protocol)
@@ -278,7 +280,7 @@ func (tr *tracer) isLocal(a netip.Addr) bool {
 
 // hookChain traverses a built-in chain; worlds ending without a verdict get
 // the chain's policy.
-func (tr *tracer) hookChain(st traceState, table Table, chain Chain) ([]result, error) {
+func (tr *tracer) hookChain(st traceState, table iptables.Table, chain iptables.Chain) ([]result, error) {
 	t := tr.f.tables[table]
 	c := t.chains[chain]
 	tr.hook = chain
@@ -388,7 +390,7 @@ func (tr *tracer) target(st traceState, t *fakeTable, tg *Target, depth int) ([]
 		return []result{{st: st}}, nil
 	}
 	if tg.Chain {
-		sub, ok := t.chains[Chain(tg.Name)]
+		sub, ok := t.chains[iptables.Chain(tg.Name)]
 		if !ok {
 			return nil, fmt.Errorf("chain %s does not exist", tg.Name)
 		}

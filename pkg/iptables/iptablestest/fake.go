@@ -1,4 +1,4 @@
-package iptables
+package iptablestest
 
 import (
 	"bytes"
@@ -9,6 +9,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"github.com/kproxy/kproxy/pkg/iptables"
 )
 
 // Fake is an in-memory iptables: a state store that parses and executes
@@ -26,23 +28,23 @@ type Fake struct {
 	// to true. Set it before the Fake is shared.
 	RandomFully bool
 
-	protocol Protocol
+	protocol iptables.Protocol
 
 	mu           sync.Mutex
-	tables       map[Table]*fakeTable
+	tables       map[iptables.Table]*fakeTable
 	restoreCount int
 	lastRestore  []byte
 }
 
-var _ Interface = (*Fake)(nil)
+var _ iptables.Interface = (*Fake)(nil)
 
 type fakeTable struct {
-	name   Table
-	chains map[Chain]*fakeChain
+	name   iptables.Table
+	chains map[iptables.Chain]*fakeChain
 }
 
 type fakeChain struct {
-	name    Chain
+	name    iptables.Chain
 	builtin bool
 	policy  string // "ACCEPT" or "DROP" for builtin chains
 	rules   []*fakeRule
@@ -54,10 +56,10 @@ type fakeRule struct {
 }
 
 // builtinChains lists each table's built-in chains in iptables-save order.
-var builtinChains = map[Table][]Chain{
-	TableNAT:    {ChainPrerouting, ChainInput, ChainOutput, ChainPostrouting},
-	TableFilter: {ChainInput, ChainForward, ChainOutput},
-	TableMangle: {ChainPrerouting, ChainInput, ChainForward, ChainOutput, ChainPostrouting},
+var builtinChains = map[iptables.Table][]iptables.Chain{
+	iptables.TableNAT:    {iptables.ChainPrerouting, iptables.ChainInput, iptables.ChainOutput, iptables.ChainPostrouting},
+	iptables.TableFilter: {iptables.ChainInput, iptables.ChainForward, iptables.ChainOutput},
+	iptables.TableMangle: {iptables.ChainPrerouting, iptables.ChainInput, iptables.ChainForward, iptables.ChainOutput, iptables.ChainPostrouting},
 }
 
 // maxChainDepth is the deepest a chain may sit below a built-in chain, in
@@ -67,10 +69,10 @@ const maxChainDepth = 15
 
 // NewFake returns an empty Fake for protocol: every table with its built-in
 // chains, policy ACCEPT.
-func NewFake(protocol Protocol) *Fake {
-	f := &Fake{RandomFully: true, protocol: protocol, tables: map[Table]*fakeTable{}}
+func NewFake(protocol iptables.Protocol) *Fake {
+	f := &Fake{RandomFully: true, protocol: protocol, tables: map[iptables.Table]*fakeTable{}}
 	for table, chains := range builtinChains {
-		t := &fakeTable{name: table, chains: map[Chain]*fakeChain{}}
+		t := &fakeTable{name: table, chains: map[iptables.Chain]*fakeChain{}}
 		for _, c := range chains {
 			t.chains[c] = &fakeChain{name: c, builtin: true, policy: "ACCEPT"}
 		}
@@ -81,9 +83,9 @@ func NewFake(protocol Protocol) *Fake {
 
 // chainNames lists built-in chains first (iptables-save order), then user
 // chains sorted by name.
-func (t *fakeTable) chainNames() []Chain {
+func (t *fakeTable) chainNames() []iptables.Chain {
 	names := slices.Clone(builtinChains[t.name])
-	var user []Chain
+	var user []iptables.Chain
 	for name, c := range t.chains {
 		if !c.builtin {
 			user = append(user, name)
@@ -93,7 +95,12 @@ func (t *fakeTable) chainNames() []Chain {
 	return append(names, user...)
 }
 
-func (f *Fake) table(table Table) (*fakeTable, error) {
+// table looks table up for an operation under ctx: like the real
+// implementation, every operation fails once ctx is done.
+func (f *Fake) table(ctx context.Context, table iptables.Table) (*fakeTable, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	t, ok := f.tables[table]
 	if !ok {
 		return nil, fmt.Errorf("unknown table %q", table)
@@ -102,23 +109,23 @@ func (f *Fake) table(table Table) (*fakeTable, error) {
 }
 
 // Protocol implements Interface.
-func (f *Fake) Protocol() Protocol { return f.protocol }
+func (f *Fake) Protocol() iptables.Protocol { return f.protocol }
 
 // HasRandomFully implements Interface.
 func (f *Fake) HasRandomFully() bool { return f.RandomFully }
 
 // EnsureChain implements Interface.
-func (f *Fake) EnsureChain(ctx context.Context, table Table, chain Chain) (bool, error) {
+func (f *Fake) EnsureChain(ctx context.Context, table iptables.Table, chain iptables.Chain) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return false, err
 	}
 	if _, ok := t.chains[chain]; ok {
 		return true, nil
 	}
-	if err := validChainName(table, chain); err != nil {
+	if err := validNewChainName(chain); err != nil {
 		return false, err
 	}
 	t.chains[chain] = &fakeChain{name: chain}
@@ -126,10 +133,10 @@ func (f *Fake) EnsureChain(ctx context.Context, table Table, chain Chain) (bool,
 }
 
 // ChainExists implements Interface.
-func (f *Fake) ChainExists(ctx context.Context, table Table, chain Chain) (bool, error) {
+func (f *Fake) ChainExists(ctx context.Context, table iptables.Table, chain iptables.Chain) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return false, err
 	}
@@ -139,10 +146,10 @@ func (f *Fake) ChainExists(ctx context.Context, table Table, chain Chain) (bool,
 
 // ListChains implements Interface: built-in chains first, then user chains
 // sorted by name.
-func (f *Fake) ListChains(ctx context.Context, table Table) ([]string, error) {
+func (f *Fake) ListChains(ctx context.Context, table iptables.Table) ([]string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return nil, err
 	}
@@ -154,10 +161,10 @@ func (f *Fake) ListChains(ctx context.Context, table Table) ([]string, error) {
 }
 
 // EnsureRule implements Interface. The rule is validated as Restore would.
-func (f *Fake) EnsureRule(ctx context.Context, position RulePosition, table Table, chain Chain, args ...string) (bool, error) {
+func (f *Fake) EnsureRule(ctx context.Context, position iptables.RulePosition, table iptables.Table, chain iptables.Chain, args ...string) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return false, err
 	}
@@ -172,9 +179,9 @@ func (f *Fake) EnsureRule(ctx context.Context, position RulePosition, table Tabl
 	}
 	at := -1
 	switch position {
-	case Prepend:
+	case iptables.Prepend:
 		at = 0
-	case Append:
+	case iptables.Append:
 	default:
 		return false, fmt.Errorf("unknown rule position %q", position)
 	}
@@ -188,13 +195,18 @@ func (f *Fake) EnsureRule(ctx context.Context, position RulePosition, table Tabl
 	return false, nil
 }
 
-// DeleteRule implements Interface.
-func (f *Fake) DeleteRule(ctx context.Context, table Table, chain Chain, args ...string) error {
+// DeleteRule implements Interface. Like iptables it parses the rule first,
+// so a rule iptables cannot parse is an error even when it is absent.
+func (f *Fake) DeleteRule(ctx context.Context, table iptables.Table, chain iptables.Chain, args ...string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return err
+	}
+	// iptables parses the rule before it looks for it.
+	if _, err := f.parseRule(args); err != nil {
+		return fmt.Errorf("deleting rule from %s/%s: %w", table, chain, err)
 	}
 	c, ok := t.chains[chain]
 	if !ok {
@@ -207,10 +219,10 @@ func (f *Fake) DeleteRule(ctx context.Context, table Table, chain Chain, args ..
 }
 
 // FlushChain implements Interface.
-func (f *Fake) FlushChain(ctx context.Context, table Table, chain Chain) error {
+func (f *Fake) FlushChain(ctx context.Context, table iptables.Table, chain iptables.Chain) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return err
 	}
@@ -222,10 +234,10 @@ func (f *Fake) FlushChain(ctx context.Context, table Table, chain Chain) error {
 
 // DeleteChain implements Interface: like iptables -X it refuses built-in,
 // non-empty and referenced chains.
-func (f *Fake) DeleteChain(ctx context.Context, table Table, chain Chain) error {
+func (f *Fake) DeleteChain(ctx context.Context, table iptables.Table, chain iptables.Chain) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return err
 	}
@@ -244,10 +256,10 @@ func (f *Fake) DeleteChain(ctx context.Context, table Table, chain Chain) error 
 
 // SaveInto implements Interface. The output restores into an empty Fake
 // (or kernel) to the same state.
-func (f *Fake) SaveInto(ctx context.Context, table Table) ([]byte, error) {
+func (f *Fake) SaveInto(ctx context.Context, table iptables.Table) ([]byte, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	t, err := f.table(table)
+	t, err := f.table(ctx, table)
 	if err != nil {
 		return nil, err
 	}
@@ -267,7 +279,7 @@ func (f *Fake) SaveInto(ctx context.Context, table Table) ([]byte, error) {
 			fmt.Fprintf(&b, "-A %s", name)
 			if len(r.args) > 0 {
 				b.WriteByte(' ')
-				b.WriteString(JoinArgs(r.args))
+				b.WriteString(saveArgs(r.args))
 			}
 			b.WriteByte('\n')
 		}
@@ -276,16 +288,54 @@ func (f *Fake) SaveInto(ctx context.Context, table Table) ([]byte, error) {
 	return b.Bytes(), nil
 }
 
+// saveArgs renders a rule's arguments as iptables-save prints them: the
+// text of --comment and --log-prefix is quoted unless it is a plain word
+// (letters, digits, '-' and '_'), with `"`, `\` and `'` escaped; other
+// arguments as iptables.QuoteArg renders them. Both read back the same with
+// iptables.SplitArgs.
+func saveArgs(args []string) string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		if i > 0 && (args[i-1] == "--comment" || args[i-1] == "--log-prefix") {
+			out[i] = saveString(a)
+		} else {
+			out[i] = iptables.QuoteArg(a)
+		}
+	}
+	return strings.Join(out, " ")
+}
+
+func saveString(s string) string {
+	plain := s != ""
+	for i := 0; i < len(s) && plain; i++ {
+		c := s[i]
+		plain = c == '-' || c == '_' || (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')
+	}
+	if plain {
+		return s
+	}
+	var b strings.Builder
+	b.WriteByte('"')
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c == '"' || c == '\\' || c == '\'' {
+			b.WriteByte('\\')
+		}
+		b.WriteByte(s[i])
+	}
+	b.WriteByte('"')
+	return b.String()
+}
+
 // Chains lists table's chains (built-in first, then user chains sorted); nil
 // for an unknown table.
-func (f *Fake) Chains(table Table) []string {
+func (f *Fake) Chains(table iptables.Table) []string {
 	chains, _ := f.ListChains(context.Background(), table)
 	return chains
 }
 
 // Rules lists the rules of table/chain, each as its arguments joined as in
 // iptables-save (without "-A chain"); nil when the chain does not exist.
-func (f *Fake) Rules(table Table, chain Chain) []string {
+func (f *Fake) Rules(table iptables.Table, chain iptables.Chain) []string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	t, ok := f.tables[table]
@@ -298,13 +348,13 @@ func (f *Fake) Rules(table Table, chain Chain) []string {
 	}
 	out := make([]string, 0, len(c.rules))
 	for _, r := range c.rules {
-		out = append(out, JoinArgs(r.args))
+		out = append(out, iptables.JoinArgs(r.args))
 	}
 	return out
 }
 
 // Policy reports a built-in chain's policy ("" when not a built-in chain).
-func (f *Fake) Policy(table Table, chain Chain) string {
+func (f *Fake) Policy(table iptables.Table, chain iptables.Chain) string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if t, ok := f.tables[table]; ok {
@@ -374,7 +424,7 @@ func (f *Fake) Restore(ctx context.Context, data []byte) error {
 			if tx != nil {
 				return lineErr(n, fmt.Errorf("table %s (line %d) has no COMMIT", tx.t.name, startLine))
 			}
-			t, err := f.table(Table(line[1:]))
+			t, err := f.table(ctx, iptables.Table(line[1:]))
 			if err != nil {
 				return lineErr(n, err)
 			}
@@ -416,10 +466,10 @@ type txn struct {
 	f *Fake
 	t *fakeTable
 	// overlay holds chains created or modified in this transaction.
-	overlay map[Chain]*fakeChain
+	overlay map[iptables.Chain]*fakeChain
 	// removed holds chains deleted in this transaction (never also in
 	// overlay), with the line of the -X (0 outside Restore).
-	removed map[Chain]int
+	removed map[iptables.Chain]int
 	// lines records where rules added in this transaction came from.
 	lines map[*fakeRule]int
 	// graphChanged is set when a change may break the graph invariants
@@ -428,11 +478,11 @@ type txn struct {
 }
 
 func (f *Fake) begin(t *fakeTable) *txn {
-	return &txn{f: f, t: t, overlay: map[Chain]*fakeChain{}, removed: map[Chain]int{}, lines: map[*fakeRule]int{}}
+	return &txn{f: f, t: t, overlay: map[iptables.Chain]*fakeChain{}, removed: map[iptables.Chain]int{}, lines: map[*fakeRule]int{}}
 }
 
 // chain returns the transaction's view of a chain, nil when absent.
-func (tx *txn) chain(name Chain) *fakeChain {
+func (tx *txn) chain(name iptables.Chain) *fakeChain {
 	if _, ok := tx.removed[name]; ok {
 		return nil
 	}
@@ -443,7 +493,7 @@ func (tx *txn) chain(name Chain) *fakeChain {
 }
 
 // writable returns a chain the transaction may modify, nil when absent.
-func (tx *txn) writable(name Chain) *fakeChain {
+func (tx *txn) writable(name iptables.Chain) *fakeChain {
 	if c, ok := tx.overlay[name]; ok {
 		return c
 	}
@@ -457,7 +507,7 @@ func (tx *txn) writable(name Chain) *fakeChain {
 	return &cc
 }
 
-func (tx *txn) create(name Chain) {
+func (tx *txn) create(name iptables.Chain) {
 	delete(tx.removed, name)
 	tx.overlay[name] = &fakeChain{name: name}
 }
@@ -483,7 +533,7 @@ func (tx *txn) chains() []*fakeChain {
 // sortedChains is chains in iptables-save order.
 func (tx *txn) sortedChains() []*fakeChain {
 	out := tx.chains()
-	order := map[Chain]int{}
+	order := map[iptables.Chain]int{}
 	for i, b := range builtinChains[tx.t.name] {
 		order[b] = i + 1
 	}
@@ -512,7 +562,7 @@ func (tx *txn) declare(decl string) error {
 	if len(fields) == 3 && !validCounters(fields[2]) {
 		return fmt.Errorf("bad counters %q", fields[2])
 	}
-	name, policy := Chain(fields[0]), fields[1]
+	name, policy := iptables.Chain(fields[0]), fields[1]
 	if c := tx.chain(name); c != nil && c.builtin {
 		switch policy {
 		case "-":
@@ -533,7 +583,7 @@ func (tx *txn) declare(decl string) error {
 		}
 		return nil
 	}
-	if err := validChainName(tx.t.name, name); err != nil {
+	if err := validChainName(name); err != nil {
 		return err
 	}
 	tx.create(name)
@@ -557,7 +607,7 @@ func validCounters(s string) bool {
 
 // command handles one -A/-I/-D/-F/-X/-N/-P line.
 func (tx *txn) command(line string, n int) error {
-	args, err := SplitArgs(line)
+	args, err := iptables.SplitArgs(line)
 	if err != nil {
 		return err
 	}
@@ -568,11 +618,11 @@ func (tx *txn) command(line string, n int) error {
 		return fmt.Errorf("empty command")
 	}
 	cmd, rest := args[0], args[1:]
-	chainArg := func() (Chain, error) {
+	chainArg := func() (iptables.Chain, error) {
 		if len(rest) == 0 {
 			return "", fmt.Errorf("%s needs a chain", cmd)
 		}
-		return Chain(rest[0]), nil
+		return iptables.Chain(rest[0]), nil
 	}
 	switch cmd {
 	case "-A", "--append", "-I", "--insert":
@@ -602,9 +652,9 @@ func (tx *txn) command(line string, n int) error {
 		if len(rest) > 1 {
 			return fmt.Errorf("%s: unexpected argument %q", cmd, rest[1])
 		}
-		var chains []Chain
+		var chains []iptables.Chain
 		if len(rest) == 1 {
-			chains = []Chain{Chain(rest[0])}
+			chains = []iptables.Chain{iptables.Chain(rest[0])}
 		} else {
 			for _, c := range tx.sortedChains() {
 				if cmd == "-F" || cmd == "--flush" || !c.builtin {
@@ -635,7 +685,7 @@ func (tx *txn) command(line string, n int) error {
 		if tx.chain(chain) != nil {
 			return fmt.Errorf("chain %s already exists", chain)
 		}
-		if err := validChainName(tx.t.name, chain); err != nil {
+		if err := validNewChainName(chain); err != nil {
 			return err
 		}
 		tx.create(chain)
@@ -644,7 +694,7 @@ func (tx *txn) command(line string, n int) error {
 		if len(rest) != 2 {
 			return fmt.Errorf("%s needs a chain and a policy", cmd)
 		}
-		c := tx.chain(Chain(rest[0]))
+		c := tx.chain(iptables.Chain(rest[0]))
 		if c == nil || !c.builtin {
 			return fmt.Errorf("%s: %s is not a built-in chain", cmd, rest[0])
 		}
@@ -660,7 +710,7 @@ func (tx *txn) command(line string, n int) error {
 }
 
 // insertRule parses args and puts the rule at index at (-1: append).
-func (tx *txn) insertRule(chain Chain, at int, args []string, line int) error {
+func (tx *txn) insertRule(chain iptables.Chain, at int, args []string, line int) error {
 	c := tx.chain(chain)
 	if c == nil {
 		return fmt.Errorf("chain %s does not exist", chain)
@@ -695,10 +745,10 @@ func (tx *txn) insertRule(chain Chain, at int, args []string, line int) error {
 func (tx *txn) checkRule(c *fakeChain, r *Rule) error {
 	table := tx.t.name
 	if c.builtin {
-		if r.InInterface != nil && (c.name == ChainOutput || c.name == ChainPostrouting) {
+		if r.InInterface != nil && (c.name == iptables.ChainOutput || c.name == iptables.ChainPostrouting) {
 			return fmt.Errorf("can't use -i with %s", c.name)
 		}
-		if r.OutInterface != nil && (c.name == ChainPrerouting || c.name == ChainInput) {
+		if r.OutInterface != nil && (c.name == iptables.ChainPrerouting || c.name == iptables.ChainInput) {
 			return fmt.Errorf("can't use -o with %s", c.name)
 		}
 	}
@@ -710,7 +760,7 @@ func (tx *txn) checkRule(c *fakeChain, r *Rule) error {
 		return nil
 	}
 	if t.Chain {
-		target := tx.chain(Chain(t.Name))
+		target := tx.chain(iptables.Chain(t.Name))
 		if target == nil {
 			return fmt.Errorf("chain %s does not exist (target of %s)", t.Name, jumpFlag(t))
 		}
@@ -721,15 +771,15 @@ func (tx *txn) checkRule(c *fakeChain, r *Rule) error {
 	}
 	switch t.Name {
 	case "DNAT", "SNAT", "MASQUERADE", "REDIRECT":
-		if table != TableNAT {
+		if table != iptables.TableNAT {
 			return fmt.Errorf("target %s is only valid in the nat table", t.Name)
 		}
 	case "DROP":
-		if table == TableNAT {
+		if table == iptables.TableNAT {
 			return fmt.Errorf("the nat table is not intended for filtering, DROP is not allowed")
 		}
 	case "REJECT":
-		if table == TableNAT {
+		if table == iptables.TableNAT {
 			return fmt.Errorf("target REJECT is not valid in the nat table")
 		}
 	}
@@ -737,6 +787,19 @@ func (tx *txn) checkRule(c *fakeChain, r *Rule) error {
 		return fmt.Errorf("--random-fully is not supported by this iptables")
 	}
 	return nil
+}
+
+// parseRule parses the rule of a delete: the checks iptables makes before
+// it looks the rule up.
+func (f *Fake) parseRule(args []string) (*Rule, error) {
+	r, err := ParseRule(args)
+	if err != nil {
+		return nil, fmt.Errorf("bad rule: %w", err)
+	}
+	if err := checkRuleFamily(r, f.protocol); err != nil {
+		return nil, err
+	}
+	return r, nil
 }
 
 func jumpFlag(t *Target) string {
@@ -747,8 +810,8 @@ func jumpFlag(t *Target) string {
 }
 
 // checkRuleFamily rejects addresses and options of the other IP family.
-func checkRuleFamily(r *Rule, protocol Protocol) error {
-	v6 := protocol == ProtocolIPv6
+func checkRuleFamily(r *Rule, protocol iptables.Protocol) error {
+	v6 := protocol == iptables.ProtocolIPv6
 	check := func(what string, ok bool) error {
 		if !ok {
 			return fmt.Errorf("%s is not an %s value", what, protocol)
@@ -785,7 +848,7 @@ func checkRuleFamily(r *Rule, protocol Protocol) error {
 	return nil
 }
 
-func (tx *txn) deleteRule(chain Chain, args []string) error {
+func (tx *txn) deleteRule(chain iptables.Chain, args []string) error {
 	c := tx.chain(chain)
 	if c == nil {
 		return fmt.Errorf("chain %s does not exist", chain)
@@ -799,6 +862,13 @@ func (tx *txn) deleteRule(chain Chain, args []string) error {
 		c.rules = slices.Delete(c.rules, pos-1, pos)
 		return nil
 	}
+	r, err := tx.f.parseRule(args)
+	if err != nil {
+		return err
+	}
+	if t := r.Target; t != nil && t.Chain && tx.chain(iptables.Chain(t.Name)) == nil {
+		return fmt.Errorf("chain %s does not exist (target of %s)", t.Name, jumpFlag(t))
+	}
 	i := slices.IndexFunc(c.rules, func(r *fakeRule) bool { return slices.Equal(r.args, args) })
 	if i < 0 {
 		return fmt.Errorf("bad rule (does a matching rule exist in chain %s?)", chain)
@@ -808,7 +878,7 @@ func (tx *txn) deleteRule(chain Chain, args []string) error {
 	return nil
 }
 
-func (tx *txn) flushChain(chain Chain) error {
+func (tx *txn) flushChain(chain iptables.Chain) error {
 	c := tx.chain(chain)
 	if c == nil {
 		return fmt.Errorf("chain %s does not exist", chain)
@@ -820,7 +890,7 @@ func (tx *txn) flushChain(chain Chain) error {
 }
 
 // deleteChain removes an empty user chain; references are checked at commit.
-func (tx *txn) deleteChain(chain Chain, line int) error {
+func (tx *txn) deleteChain(chain iptables.Chain, line int) error {
 	c := tx.chain(chain)
 	switch {
 	case c == nil:
@@ -861,24 +931,24 @@ func (tx *txn) ruleError(r *fakeRule, err error) error {
 // hook bits, one per built-in chain.
 type hookSet uint8
 
-var hookBits = map[Chain]hookSet{
-	ChainPrerouting: 1 << 0, ChainInput: 1 << 1, ChainForward: 1 << 2, ChainOutput: 1 << 3, ChainPostrouting: 1 << 4,
+var hookBits = map[iptables.Chain]hookSet{
+	iptables.ChainPrerouting: 1 << 0, iptables.ChainInput: 1 << 1, iptables.ChainForward: 1 << 2, iptables.ChainOutput: 1 << 3, iptables.ChainPostrouting: 1 << 4,
 }
 
 const allHooks hookSet = 1<<5 - 1
 
 // targetHooks are the hooks where extension targets may be used.
 var targetHooks = map[string]hookSet{
-	"DNAT":       hookBits[ChainPrerouting] | hookBits[ChainOutput],
-	"REDIRECT":   hookBits[ChainPrerouting] | hookBits[ChainOutput],
-	"SNAT":       hookBits[ChainPostrouting] | hookBits[ChainInput],
-	"MASQUERADE": hookBits[ChainPostrouting],
-	"REJECT":     hookBits[ChainInput] | hookBits[ChainForward] | hookBits[ChainOutput],
+	"DNAT":       hookBits[iptables.ChainPrerouting] | hookBits[iptables.ChainOutput],
+	"REDIRECT":   hookBits[iptables.ChainPrerouting] | hookBits[iptables.ChainOutput],
+	"SNAT":       hookBits[iptables.ChainPostrouting] | hookBits[iptables.ChainInput],
+	"MASQUERADE": hookBits[iptables.ChainPostrouting],
+	"REJECT":     hookBits[iptables.ChainInput] | hookBits[iptables.ChainForward] | hookBits[iptables.ChainOutput],
 }
 
 func hookNames(h hookSet) string {
 	var names []string
-	for _, c := range []Chain{ChainPrerouting, ChainInput, ChainForward, ChainOutput, ChainPostrouting} {
+	for _, c := range []iptables.Chain{iptables.ChainPrerouting, iptables.ChainInput, iptables.ChainForward, iptables.ChainOutput, iptables.ChainPostrouting} {
 		if h&hookBits[c] != 0 {
 			names = append(names, string(c))
 		}
@@ -904,7 +974,7 @@ func (tx *txn) validate() error {
 }
 
 func (tx *txn) validateOrder(chains []*fakeChain) error {
-	idx := make(map[Chain]int32, len(chains))
+	idx := make(map[iptables.Chain]int32, len(chains))
 	for i, c := range chains {
 		idx[c.name] = int32(i)
 	}
@@ -929,9 +999,9 @@ func (tx *txn) validateOrder(chains []*fakeChain) error {
 				}
 				continue
 			}
-			j, ok := idx[Chain(tg.Name)]
+			j, ok := idx[iptables.Chain(tg.Name)]
 			if !ok {
-				if line, ok := tx.removed[Chain(tg.Name)]; ok {
+				if line, ok := tx.removed[iptables.Chain(tg.Name)]; ok {
 					err := fmt.Errorf("chain %s is still referenced by a rule in chain %s", tg.Name, c.name)
 					if line > 0 {
 						return &RestoreError{Line: line, Err: err}
@@ -1017,13 +1087,9 @@ func (tx *txn) validateOrder(chains []*fakeChain) error {
 	return nil
 }
 
-var builtinChainNames = map[Chain]bool{
-	ChainPrerouting: true, ChainInput: true, ChainForward: true, ChainOutput: true, ChainPostrouting: true,
-}
-
-// validChainName applies iptables' chain name rules, plus: no names that
-// need quoting, and no built-in chain or target names.
-func validChainName(table Table, name Chain) error {
+// validChainName applies the chain name rules of iptables-restore's chain
+// declarations, plus: no names that need quoting.
+func validChainName(name iptables.Chain) error {
 	s := string(name)
 	switch {
 	case s == "":
@@ -1032,10 +1098,6 @@ func validChainName(table Table, name Chain) error {
 		return fmt.Errorf("chain name %q too long (max %d)", s, MaxChainNameLength)
 	case s[0] == '-' || s[0] == '!':
 		return fmt.Errorf("chain name %q may not start with %q", s, s[0])
-	case IsBuiltinTarget(s):
-		return fmt.Errorf("chain name %q clashes with a target name", s)
-	case builtinChainNames[name]:
-		return fmt.Errorf("chain name %q is a built-in chain name, not valid as a user chain in table %s", s, table)
 	}
 	for i := 0; i < len(s); i++ {
 		if c := s[i]; c <= ' ' || c >= 0x7f || c == '"' || c == '\'' || c == '\\' {
@@ -1043,4 +1105,14 @@ func validChainName(table Table, name Chain) error {
 		}
 	}
 	return nil
+}
+
+// validNewChainName adds the rule of `iptables -N` (EnsureChain, and -N in
+// restore input) to validChainName: no target names. A chain declaration in
+// restore input may take a target's name.
+func validNewChainName(name iptables.Chain) error {
+	if IsBuiltinTarget(string(name)) {
+		return fmt.Errorf("chain name %q clashes with a target name", name)
+	}
+	return validChainName(name)
 }

@@ -1,4 +1,4 @@
-package iptables
+package iptablestest
 
 import (
 	"fmt"
@@ -6,6 +6,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/kproxy/kproxy/pkg/iptables"
 )
 
 func mustAddr(s string) netip.Addr { return netip.MustParseAddr(s) }
@@ -195,7 +197,7 @@ func TestTrace(t *testing.T) {
 			want: []string{"ACCEPT dnat=10.0.3.1:5353 recent=KUBE-SEP-B1", "ACCEPT dnat=10.0.3.2:5353 recent=KUBE-SEP-B2"},
 		},
 	}
-	f := NewFake(ProtocolIPv4)
+	f := NewFake(iptables.ProtocolIPv4)
 	mustRestore(t, f, kubeRules...)
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -216,7 +218,7 @@ func TestTrace(t *testing.T) {
 }
 
 func TestTracePath(t *testing.T) {
-	f := NewFake(ProtocolIPv4)
+	f := NewFake(iptables.ProtocolIPv4)
 	mustRestore(t, f, kubeRules...)
 	outcomes, err := f.Trace(Packet{Source: mustAddr("10.0.5.5"), Destination: mustAddr("172.30.0.10"), Protocol: "tcp",
 		SourcePort: 1234, DestinationPort: 80, InInterface: "eth0"}, TraceOptions{})
@@ -262,7 +264,7 @@ func TestTraceEndpoints(t *testing.T) {
 }
 
 // traceRules builds a Fake from restore lines.
-func traceRules(t *testing.T, protocol Protocol, lines ...string) *Fake {
+func traceRules(t *testing.T, protocol iptables.Protocol, lines ...string) *Fake {
 	t.Helper()
 	f := NewFake(protocol)
 	mustRestore(t, f, lines...)
@@ -273,7 +275,7 @@ func TestTraceSmallRulesets(t *testing.T) {
 	pkt4 := Packet{Source: mustAddr("10.0.0.1"), Destination: mustAddr("10.96.0.5"), Protocol: "tcp", SourcePort: 1000, DestinationPort: 80, InInterface: "eth0"}
 	tests := []struct {
 		name     string
-		protocol Protocol
+		protocol iptables.Protocol
 		rules    []string
 		pkt      Packet
 		opts     TraceOptions
@@ -425,7 +427,7 @@ func TestTraceSmallRulesets(t *testing.T) {
 		},
 		{
 			name:     "IPv6 service with non-contiguous dispatch and masquerade",
-			protocol: ProtocolIPv6,
+			protocol: iptables.ProtocolIPv6,
 			rules: []string{"*nat", ":KUBE-SVC - [0:0]", ":KUBE-MARK-MASQ - [0:0]",
 				"-A OUTPUT -d ::5/::ff -p tcp -m tcp --dport 80 -j KUBE-SVC",
 				"-A KUBE-MARK-MASQ -j MARK --or-mark 0x4000",
@@ -438,7 +440,7 @@ func TestTraceSmallRulesets(t *testing.T) {
 		},
 		{
 			name:     "IPv6 REJECT and address that does not dispatch",
-			protocol: ProtocolIPv6,
+			protocol: iptables.ProtocolIPv6,
 			rules:    []string{"*filter", "-A FORWARD -d ::5/::ff -j ACCEPT", "-A FORWARD -p tcp -j REJECT --reject-with tcp-reset", "COMMIT"},
 			pkt:      Packet{Source: mustAddr("fd00:1::1"), Destination: mustAddr("fd00:96::106"), Protocol: "tcp", SourcePort: 5, DestinationPort: 80},
 			want:     []string{"REJECT"},
@@ -448,7 +450,7 @@ func TestTraceSmallRulesets(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			protocol := tc.protocol
 			if protocol == "" {
-				protocol = ProtocolIPv4
+				protocol = iptables.ProtocolIPv4
 			}
 			f := traceRules(t, protocol, tc.rules...)
 			outcomes, err := f.Trace(tc.pkt, tc.opts)
@@ -496,7 +498,7 @@ func TestTraceErrors(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			f := traceRules(t, ProtocolIPv4, tc.rules...)
+			f := traceRules(t, iptables.ProtocolIPv4, tc.rules...)
 			p := pkt
 			if tc.pkt != nil {
 				p = *tc.pkt
@@ -522,7 +524,7 @@ func branchyRules(n int) []string {
 // TestTraceLoopDetection plants a jump loop the kernel (and Restore) would
 // refuse, to check the tracer's own guard.
 func TestTraceLoopDetection(t *testing.T) {
-	f := traceRules(t, ProtocolIPv4, "*filter", ":L1 - [0:0]", ":L2 - [0:0]", "-A L1 -j L2", "-A FORWARD -j L1", "COMMIT")
+	f := traceRules(t, iptables.ProtocolIPv4, "*filter", ":L1 - [0:0]", ":L2 - [0:0]", "-A L1 -j L2", "-A FORWARD -j L1", "COMMIT")
 	err := f.Restore(t.Context(), restoreText("*filter", "-A L2 -j L1", "COMMIT"))
 	if err == nil || !strings.Contains(err.Error(), "loop") {
 		t.Fatalf("Restore of a loop = %v, want a loop error", err)
@@ -532,7 +534,7 @@ func TestTraceLoopDetection(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l2 := f.tables[TableFilter].chains["L2"]
+	l2 := f.tables[iptables.TableFilter].chains["L2"]
 	l2.rules = append(l2.rules, &fakeRule{args: back, rule: r})
 
 	_, err = f.Trace(Packet{Source: mustAddr("10.0.0.1"), Destination: mustAddr("10.0.0.2"), Protocol: "tcp", SourcePort: 1, DestinationPort: 2}, TraceOptions{})
