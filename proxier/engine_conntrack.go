@@ -20,16 +20,19 @@ func (e *Engine) noteStaleConntrack(svc proxy.UpdateServiceMapResult, eps proxy.
 }
 
 // cleanStaleConntrack deletes the UDP conntrack entries noted since the
-// last successful sync. A failure is logged and never fails the sync: the
-// entries then go stale until they time out, as they would without kproxy.
-// Called with e.mu held, after a successful sync.
+// last successful sync, judged against the services and endpoints this
+// sync programmed: an endpoint noted as no longer serving by a failed sync
+// that serves again keeps its flows. A failure is logged and never fails
+// the sync: the entries then go stale until they time out, as they would
+// without kproxy. Called with e.mu held, after a successful sync.
 func (e *Engine) cleanStaleConntrack(ctx context.Context) {
 	if e.opts.Conntrack == nil || e.staleConntrack.Empty() {
 		return
 	}
 	stale := e.staleConntrack
 	e.staleConntrack = conntrack.StaleEntries{}
-	if _, err := conntrack.CleanStaleEntries(ctx, e.opts.Conntrack, e.opts.Family, e.svcPortMap, stale); err != nil {
+	if _, err := conntrack.CleanStaleEntries(ctx, e.opts.Conntrack, e.opts.Family,
+		conntrack.Current{Services: e.svcPortMap, Endpoints: e.endpointsMap}, stale); err != nil {
 		e.logger.Error(err, "Failed to delete stale UDP conntrack entries")
 	}
 }

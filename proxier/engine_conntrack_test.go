@@ -49,16 +49,26 @@ var engineFlows = map[string]conntrack.Flow{
 var (
 	ep1 = pt.EP{IP: "10.244.2.5", Node: "node-b"}
 	ep2 = pt.EP{IP: "10.244.2.6", Node: "node-b"}
+	ep3 = pt.EP{IP: "10.244.2.7", Node: "node-b"}
+	// ep1Terminating still serves; ep1Gone no longer does.
+	ep1Terminating = pt.EP{IP: ep1.IP, Node: ep1.Node, Terminating: true}
+	ep1Gone        = pt.EP{IP: ep1.IP, Node: ep1.Node, Terminating: true, NotReady: true}
+	ep2Terminating = pt.EP{IP: ep2.IP, Node: ep2.Node, Terminating: true}
 )
 
 func TestEngineConntrackCleanup(t *testing.T) {
 	for _, tc := range []struct {
 		name string
+		// dnsEndpoints are the endpoints of service dns at the initial
+		// sync; ep1 and ep2 when unset.
+		dnsEndpoints []pt.EP
 		// change is applied after the initial sync; the case then syncs
 		// once more (twice with failFirst).
 		change func(e *proxier.Engine)
-		// failFirst makes the backend refuse the first sync after change.
-		failFirst bool
+		// failFirst makes the backend refuse the first sync after change;
+		// afterFailure is then applied before the next sync.
+		failFirst    bool
+		afterFailure func(e *proxier.Engine)
 		// failClear makes the conntrack table refuse the first deletion.
 		failClear   bool
 		wantDeleted []string
@@ -75,11 +85,32 @@ func TestEngineConntrackCleanup(t *testing.T) {
 			wantDeleted: []string{"dns NodePort to ep1", "dns to ep1"},
 		},
 		{
-			name: "endpoint no longer ready",
+			name: "endpoint stops serving",
 			change: func(e *proxier.Engine) {
 				e.OnEndpointSliceUpdate(nil, udpSlice("dns", v1.ProtocolUDP, pt.EP{IP: ep1.IP, Node: ep1.Node, NotReady: true}, ep2))
 			},
 			wantDeleted: []string{"dns NodePort to ep1", "dns to ep1"},
+		},
+		{
+			name: "endpoint terminating but still serving keeps its flows",
+			change: func(e *proxier.Engine) {
+				e.OnEndpointSliceUpdate(nil, udpSlice("dns", v1.ProtocolUDP, ep1Terminating, ep2))
+			},
+		},
+		{
+			name:         "terminating endpoint stops serving",
+			dnsEndpoints: []pt.EP{ep1Terminating, ep2},
+			change: func(e *proxier.Engine) {
+				e.OnEndpointSliceUpdate(nil, udpSlice("dns", v1.ProtocolUDP, ep1Gone, ep2))
+			},
+			wantDeleted: []string{"dns NodePort to ep1", "dns to ep1"},
+		},
+		{
+			name:         "terminating endpoints keep their flows when a ready one arrives",
+			dnsEndpoints: []pt.EP{ep1Terminating, ep2Terminating},
+			change: func(e *proxier.Engine) {
+				e.OnEndpointSliceUpdate(nil, udpSlice("dns", v1.ProtocolUDP, ep1Terminating, ep2Terminating, ep3))
+			},
 		},
 		{
 			name: "last endpoints removed",
@@ -117,6 +148,16 @@ func TestEngineConntrackCleanup(t *testing.T) {
 			wantDeleted: []string{"dns NodePort to ep1", "dns to ep1"},
 		},
 		{
+			name: "failed sync: an endpoint removed, then back and serving, keeps its flows",
+			change: func(e *proxier.Engine) {
+				e.OnEndpointSliceUpdate(nil, udpSlice("dns", v1.ProtocolUDP, ep2))
+			},
+			failFirst: true,
+			afterFailure: func(e *proxier.Engine) {
+				e.OnEndpointSliceUpdate(nil, udpSlice("dns", v1.ProtocolUDP, ep1Terminating, ep2))
+			},
+		},
+		{
 			name: "conntrack failure is logged, the sync succeeds",
 			change: func(e *proxier.Engine) {
 				e.OnEndpointSliceUpdate(nil, udpSlice("dns", v1.ProtocolUDP, ep2))
@@ -130,7 +171,11 @@ func TestEngineConntrackCleanup(t *testing.T) {
 			h.engine.OnServiceAdd(udpService("dns", "10.96.0.53", v1.ProtocolUDP, 30053))
 			h.engine.OnServiceAdd(udpService("syslog", "10.96.0.54", v1.ProtocolUDP, 30054))
 			h.engine.OnServiceAdd(udpService("tcpdns", "10.96.0.55", v1.ProtocolTCP, 30055))
-			h.engine.OnEndpointSliceAdd(udpSlice("dns", v1.ProtocolUDP, ep1, ep2))
+			dnsEndpoints := tc.dnsEndpoints
+			if dnsEndpoints == nil {
+				dnsEndpoints = []pt.EP{ep1, ep2}
+			}
+			h.engine.OnEndpointSliceAdd(udpSlice("dns", v1.ProtocolUDP, dnsEndpoints...))
 			h.engine.OnEndpointSliceAdd(udpSlice("tcpdns", v1.ProtocolTCP, ep1, ep2))
 			h.sync()
 			// The flows appear once the rules are in place (the initial
@@ -147,6 +192,9 @@ func TestEngineConntrackCleanup(t *testing.T) {
 				}
 				if got := len(ct.Flows()); got != len(engineFlows) {
 					t.Fatalf("a failed sync deleted flows: %d left of %d", got, len(engineFlows))
+				}
+				if tc.afterFailure != nil {
+					tc.afterFailure(h.engine)
 				}
 			}
 			if tc.failClear {

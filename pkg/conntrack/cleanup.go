@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/klog/v2"
 
@@ -20,10 +21,11 @@ type StaleEntries struct {
 	// DeletedUDPClusterIPs are ClusterIPs of UDP service ports that went
 	// away.
 	DeletedUDPClusterIPs sets.Set[string]
-	// DeletedUDPEndpoints are UDP endpoints that stopped taking traffic.
+	// DeletedUDPEndpoints are UDP endpoints that stopped serving or were
+	// removed.
 	DeletedUDPEndpoints []proxy.ServiceEndpoint
 	// NewlyActiveUDPServices are UDP service ports that went from no
-	// endpoint to some.
+	// usable endpoint to some.
 	NewlyActiveUDPServices []proxy.ServicePortName
 }
 
@@ -44,6 +46,14 @@ func (s *StaleEntries) Empty() bool {
 	return s.DeletedUDPClusterIPs.Len() == 0 && len(s.DeletedUDPEndpoints) == 0 && len(s.NewlyActiveUDPServices) == 0
 }
 
+// Current is the state that stale entries are judged against: the service
+// ports and endpoints as of the successful sync after which the entries are
+// deleted (noted stale entries may span several syncs when some failed).
+type Current struct {
+	Services  proxy.ServicePortMap
+	Endpoints proxy.EndpointsMap
+}
+
 // serviceIPs are the addresses a service port takes traffic on: its
 // ClusterIP, external IPs and load-balancer IPs.
 func serviceIPs(sp *proxy.ServicePort) []netip.Addr {
@@ -52,24 +62,102 @@ func serviceIPs(sp *proxy.ServicePort) []netip.Addr {
 	return append(out, sp.LoadBalancerVIPs...)
 }
 
-// StaleFilters turns stale into conntrack filters, looking services up in
-// services (the service ports as of the sync that made them stale).
-// Endpoints and newly active ports of services no longer in services are
-// skipped: the service's deletion is covered by its ClusterIP. The filters
-// are deduplicated and sorted.
-func StaleFilters(logger klog.Logger, services proxy.ServicePortMap, stale StaleEntries) []Filter {
-	set := sets.New[Filter]()
-	for ipStr := range stale.DeletedUDPClusterIPs {
-		ip, err := netip.ParseAddr(ipStr)
-		if err != nil {
-			logger.Error(err, "Ignoring unparsable deleted ClusterIP", "clusterIP", ipStr)
+// servingKey is one endpoint of one service.
+type servingKey struct {
+	service  types.NamespacedName
+	endpoint netip.AddrPort
+}
+
+// servingPorts maps each endpoint of the services named in eps to the
+// names of the service's UDP ports it serves in endpoints.
+func servingPorts(endpoints proxy.EndpointsMap, eps []proxy.ServiceEndpoint) map[servingKey]sets.Set[string] {
+	wanted := sets.New[types.NamespacedName]()
+	for _, se := range eps {
+		wanted.Insert(se.ServicePortName.NamespacedName)
+	}
+	out := map[servingKey]sets.Set[string]{}
+	for name, list := range endpoints {
+		if name.Protocol != v1.ProtocolUDP || !wanted.Has(name.NamespacedName) {
 			continue
 		}
-		set.Insert(Filter{Protocol: v1.ProtocolUDP, OrigDstIP: ip})
+		for _, ep := range list {
+			if !ep.Serving {
+				continue
+			}
+			k := servingKey{name.NamespacedName, netip.AddrPortFrom(ep.IP.Unmap(), uint16(ep.Port))}
+			if out[k] == nil {
+				out[k] = sets.New[string]()
+			}
+			out[k].Insert(name.Port)
+		}
+	}
+	return out
+}
+
+// StaleFilters turns stale into conntrack filters, judged against cur.
+// The filters are deduplicated and sorted.
+//
+// The rule is upstream kube-proxy's: a UDP entry to a service port's
+// address (ClusterIP, external IP, load-balancer IP, and port) or node
+// port is kept exactly when a serving endpoint of that port answers it. An
+// endpoint that is terminating but still serving keeps its entries until
+// it stops serving or is removed. Being driven by changes rather than by a
+// scan of the whole table, kproxy deletes:
+//
+//   - for an endpoint that stopped serving or was removed (and does not
+//     serve the same service port again in cur): the entries it answers to
+//     any port of the service's addresses, and to the service port's node
+//     port. Entries to any port, so that flows made before the port number
+//     changed are deleted too, unless the endpoint still serves another UDP
+//     port of the service: then only the service port's own. The node port
+//     entries are deleted also when no serving endpoint is left, which
+//     upstream does not do; being matched on the endpoint as well, they
+//     never include flows kproxy did not DNAT.
+//   - for a service port that got its first usable endpoint (and has a
+//     serving one in cur): every entry to the port on the service's
+//     addresses and to its node port, made while its traffic was not
+//     DNATed.
+//   - for a ClusterIP of a UDP service port that went away and that no
+//     current UDP service port uses: every UDP entry to that IP, whatever
+//     the port. Upstream leaves these to time out; flows to a deleted
+//     service would otherwise keep reaching its old endpoints.
+//
+// Endpoints and newly active ports of service ports no longer in cur are
+// skipped: a deleted service is covered by its ClusterIP, and the flows of
+// a UDP port removed from a service that keeps its ClusterIP are left to
+// time out, as upstream leaves them.
+func StaleFilters(logger klog.Logger, cur Current, stale StaleEntries) []Filter {
+	set := sets.New[Filter]()
+	if stale.DeletedUDPClusterIPs.Len() > 0 {
+		inUse := sets.New[netip.Addr]()
+		for _, sp := range cur.Services {
+			if sp.Protocol == v1.ProtocolUDP && sp.ClusterIP.IsValid() {
+				inUse.Insert(sp.ClusterIP.Unmap())
+			}
+		}
+		for ipStr := range stale.DeletedUDPClusterIPs {
+			ip, err := netip.ParseAddr(ipStr)
+			if err != nil {
+				logger.Error(err, "Ignoring unparsable deleted ClusterIP", "clusterIP", ipStr)
+				continue
+			}
+			if inUse.Has(ip.Unmap()) {
+				// A UDP port of the service went away, or the IP was
+				// given to a new service: the flows of the ports in use
+				// must stay.
+				logger.V(4).Info("Keeping conntrack entries of a deleted ClusterIP that a UDP service port uses", "clusterIP", ip)
+				continue
+			}
+			set.Insert(Filter{Protocol: v1.ProtocolUDP, OrigDstIP: ip})
+		}
 	}
 	for _, name := range stale.NewlyActiveUDPServices {
-		sp, ok := services[name]
+		sp, ok := cur.Services[name]
 		if !ok || sp.Protocol != v1.ProtocolUDP {
+			continue
+		}
+		if !slices.ContainsFunc(cur.Endpoints[name], func(ep *proxy.Endpoint) bool { return ep.Serving }) {
+			// It lost its endpoints again since (syncs failed meanwhile).
 			continue
 		}
 		// Only this port's traffic was black-holed; the service's other
@@ -83,8 +171,9 @@ func StaleFilters(logger klog.Logger, services proxy.ServicePortMap, stale Stale
 			set.Insert(Filter{Protocol: v1.ProtocolUDP, OrigDstPort: uint16(sp.NodePort)})
 		}
 	}
+	serving := servingPorts(cur.Endpoints, stale.DeletedUDPEndpoints)
 	for _, se := range stale.DeletedUDPEndpoints {
-		sp, ok := services[se.ServicePortName]
+		sp, ok := cur.Services[se.ServicePortName]
 		if !ok || sp.Protocol != v1.ProtocolUDP {
 			continue
 		}
@@ -93,16 +182,23 @@ func StaleFilters(logger klog.Logger, services proxy.ServicePortMap, stale Stale
 			logger.Error(err, "Ignoring unparsable deleted endpoint", "servicePort", se.ServicePortName, "endpoint", se.Endpoint)
 			continue
 		}
-		epIP := ep.Addr().Unmap()
-		// The service port is not matched: flows made before a change of
-		// the port number still lead to this endpoint.
+		ep = netip.AddrPortFrom(ep.Addr().Unmap(), ep.Port())
+		ports := serving[servingKey{se.ServicePortName.NamespacedName, ep}]
+		if ports.Has(se.ServicePortName.Port) {
+			// Serving again (syncs failed meanwhile): its flows stay.
+			continue
+		}
+		var port uint16 // any
+		if ports.Len() > 0 {
+			port = uint16(sp.Port)
+		}
 		for _, ip := range serviceIPs(sp) {
 			if ip.IsValid() {
-				set.Insert(Filter{Protocol: v1.ProtocolUDP, OrigDstIP: ip, ReplySrcIP: epIP, ReplySrcPort: ep.Port()})
+				set.Insert(Filter{Protocol: v1.ProtocolUDP, OrigDstIP: ip, OrigDstPort: port, ReplySrcIP: ep.Addr(), ReplySrcPort: ep.Port()})
 			}
 		}
 		if sp.NodePort != 0 {
-			set.Insert(Filter{Protocol: v1.ProtocolUDP, OrigDstPort: uint16(sp.NodePort), ReplySrcIP: epIP, ReplySrcPort: ep.Port()})
+			set.Insert(Filter{Protocol: v1.ProtocolUDP, OrigDstPort: uint16(sp.NodePort), ReplySrcIP: ep.Addr(), ReplySrcPort: ep.Port()})
 		}
 	}
 	out := set.UnsortedList()
@@ -111,11 +207,12 @@ func StaleFilters(logger klog.Logger, services proxy.ServicePortMap, stale Stale
 }
 
 // CleanStaleEntries deletes the conntrack entries of family that stale
-// names, and returns how many it deleted. Call it only after the rules that
-// made them stale are in place, or new packets recreate them at once.
-func CleanStaleEntries(ctx context.Context, ct Interface, family v1.IPFamily, services proxy.ServicePortMap, stale StaleEntries) (int, error) {
+// names, judged against cur (see StaleFilters), and returns how many it
+// deleted. Call it only after the rules that made them stale are in place,
+// or new packets recreate them at once.
+func CleanStaleEntries(ctx context.Context, ct Interface, family v1.IPFamily, cur Current, stale StaleEntries) (int, error) {
 	logger := klog.FromContext(ctx)
-	filters := StaleFilters(logger, services, stale)
+	filters := StaleFilters(logger, cur, stale)
 	if len(filters) == 0 {
 		return 0, nil
 	}

@@ -56,6 +56,32 @@ func testServices() proxy.ServicePortMap {
 	}
 }
 
+// servingEP is a ready endpoint; terminatingEP a terminating one that
+// still serves.
+func servingEP(addrPort string) *proxy.Endpoint {
+	ap := netip.MustParseAddrPort(addrPort)
+	return &proxy.Endpoint{IP: ap.Addr(), Port: int(ap.Port()), Ready: true, Serving: true}
+}
+
+func terminatingEP(addrPort string) *proxy.Endpoint {
+	ep := servingEP(addrPort)
+	ep.Ready, ep.Terminating = false, true
+	return ep
+}
+
+// testEndpoints are the endpoints of the test node's service ports after
+// the sync: dns and snmp have a serving endpoint that no test flow uses.
+func testEndpoints() proxy.EndpointsMap {
+	return proxy.EndpointsMap{
+		dnsPort:  {servingEP("10.244.3.8:5353")},
+		snmpPort: {servingEP("10.244.3.9:161")},
+	}
+}
+
+func testCurrent() Current {
+	return Current{Services: testServices(), Endpoints: testEndpoints()}
+}
+
 // flow builds a flow from "ip:port" strings: the client's view
 // (src -> dst) and the reply's source (the endpoint after DNAT).
 func flow(proto v1.Protocol, src, dst, replySrc string) Flow {
@@ -73,6 +99,8 @@ var testFlows = map[string]Flow{
 	"dns over TCP to ep1":           flow(v1.ProtocolTCP, "10.0.0.9:40006", "10.96.0.10:53", "10.244.1.5:5353"),
 	"dns TCP NodePort to ep1":       flow(v1.ProtocolTCP, "203.0.113.7:40007", testNodes+":30053", "10.244.1.5:5353"),
 	"dns alt port to ep1 port 5301": flow(v1.ProtocolUDP, "10.0.0.9:40008", "10.96.0.10:5300", "10.244.1.5:5301"),
+	"dns alt port to ep1 port 5353": flow(v1.ProtocolUDP, "10.0.0.9:40016", "10.96.0.10:5300", "10.244.1.5:5353"),
+	"gone service via ClusterIP":    flow(v1.ProtocolUDP, "10.0.0.9:40017", "10.96.0.40:53", "10.244.1.5:5353"),
 	"ntp to ep1 IP":                 flow(v1.ProtocolUDP, "10.0.0.9:40009", "10.96.0.20:123", "10.244.1.5:123"),
 	"snmp black-holed":              flow(v1.ProtocolUDP, "10.0.0.9:40010", "10.96.0.30:161", "10.96.0.30:161"),
 	"snmp other port black-holed":   flow(v1.ProtocolUDP, "10.0.0.9:40011", "10.96.0.30:162", "10.96.0.30:162"),
@@ -100,23 +128,77 @@ func TestCleanStaleEntries(t *testing.T) {
 		name   string
 		family v1.IPFamily
 		stale  StaleEntries
-		// services defaults to testServices().
+		// services defaults to testServices(), endpoints to
+		// testEndpoints().
 		services    proxy.ServicePortMap
+		endpoints   proxy.EndpointsMap
 		wantDeleted []string
 	}{
 		{
 			name: "nothing stale",
 		},
 		{
-			name:        "deleted UDP ClusterIP: every UDP flow to it, whatever the port",
-			stale:       StaleEntries{DeletedUDPClusterIPs: sets.New("10.96.0.10")},
-			wantDeleted: []string{"dns alt port to ep1 port 5301", "dns via ClusterIP to ep1", "dns via ClusterIP to ep2"},
+			name:        "deleted UDP ClusterIP of a deleted service: every UDP flow to it, whatever the port",
+			stale:       StaleEntries{DeletedUDPClusterIPs: sets.New("10.96.0.40")},
+			wantDeleted: []string{"gone service via ClusterIP"},
 		},
 		{
-			name:  "deleted endpoint: its flows via every service address and the node port",
+			name:  "deleted UDP ClusterIP that another UDP port of the service still uses: nothing",
+			stale: StaleEntries{DeletedUDPClusterIPs: sets.New("10.96.0.10")},
+		},
+		{
+			name:  "deleted UDP ClusterIP that only a TCP port still uses: every UDP flow to it",
+			stale: StaleEntries{DeletedUDPClusterIPs: sets.New("10.96.0.10")},
+			services: func() proxy.ServicePortMap {
+				m := testServices()
+				delete(m, dnsPort)
+				delete(m, dnsAlt)
+				return m
+			}(),
+			wantDeleted: []string{
+				"dns alt port to ep1 port 5301", "dns alt port to ep1 port 5353", "dns via ClusterIP to ep1", "dns via ClusterIP to ep2",
+			},
+		},
+		{
+			name:  "deleted endpoint: its flows via every service address, whatever the port, and the node port",
 			stale: StaleEntries{DeletedUDPEndpoints: []proxy.ServiceEndpoint{{Endpoint: "10.244.1.5:5353", ServicePortName: dnsPort}}},
 			wantDeleted: []string{
+				"dns alt port to ep1 port 5353", "dns via ClusterIP to ep1", "dns via LB IP to ep1", "dns via NodePort to ep1", "dns via external IP to ep1",
+			},
+		},
+		{
+			name:  "deleted endpoint that serves another UDP port of the service: only its port's flows",
+			stale: StaleEntries{DeletedUDPEndpoints: []proxy.ServiceEndpoint{{Endpoint: "10.244.1.5:5353", ServicePortName: dnsPort}}},
+			endpoints: proxy.EndpointsMap{
+				dnsPort: {servingEP("10.244.3.8:5353")},
+				dnsAlt:  {servingEP("10.244.1.5:5353")},
+			},
+			wantDeleted: []string{
 				"dns via ClusterIP to ep1", "dns via LB IP to ep1", "dns via NodePort to ep1", "dns via external IP to ep1",
+			},
+		},
+		{
+			name:  "deleted endpoint serving again, ready: its flows stay",
+			stale: StaleEntries{DeletedUDPEndpoints: []proxy.ServiceEndpoint{{Endpoint: "10.244.1.5:5353", ServicePortName: dnsPort}}},
+			endpoints: proxy.EndpointsMap{
+				dnsPort: {servingEP("10.244.1.5:5353")},
+			},
+		},
+		{
+			name:  "deleted endpoint serving again, terminating: its flows stay",
+			stale: StaleEntries{DeletedUDPEndpoints: []proxy.ServiceEndpoint{{Endpoint: "10.244.1.5:5353", ServicePortName: dnsPort}}},
+			endpoints: proxy.EndpointsMap{
+				dnsPort: {terminatingEP("10.244.1.5:5353")},
+			},
+		},
+		{
+			name:  "last endpoint deleted: its flows, also via the node port",
+			stale: StaleEntries{DeletedUDPEndpoints: []proxy.ServiceEndpoint{{Endpoint: "10.244.1.5:5353", ServicePortName: dnsPort}}},
+			endpoints: proxy.EndpointsMap{
+				dnsPort: {{IP: netip.MustParseAddr("10.244.3.8"), Port: 5353}}, // neither ready nor serving
+			},
+			wantDeleted: []string{
+				"dns alt port to ep1 port 5353", "dns via ClusterIP to ep1", "dns via LB IP to ep1", "dns via NodePort to ep1", "dns via external IP to ep1",
 			},
 		},
 		{
@@ -133,7 +215,8 @@ func TestCleanStaleEntries(t *testing.T) {
 				{Endpoint: "10.244.2.6:5353", ServicePortName: dnsPort},
 			}},
 			wantDeleted: []string{
-				"dns via ClusterIP to ep1", "dns via ClusterIP to ep2", "dns via LB IP to ep1", "dns via NodePort to ep1", "dns via external IP to ep1",
+				"dns alt port to ep1 port 5353", "dns via ClusterIP to ep1", "dns via ClusterIP to ep2",
+				"dns via LB IP to ep1", "dns via NodePort to ep1", "dns via external IP to ep1",
 			},
 		},
 		{
@@ -154,14 +237,19 @@ func TestCleanStaleEntries(t *testing.T) {
 			stale: StaleEntries{NewlyActiveUDPServices: []proxy.ServicePortName{gonePort}},
 		},
 		{
+			name:      "newly active service without a serving endpoint any more: nothing",
+			stale:     StaleEntries{NewlyActiveUDPServices: []proxy.ServicePortName{snmpPort}},
+			endpoints: proxy.EndpointsMap{snmpPort: {{IP: netip.MustParseAddr("10.244.3.9"), Port: 161}}},
+		},
+		{
 			name: "every kind at once",
 			stale: StaleEntries{
-				DeletedUDPClusterIPs:   sets.New("10.96.0.20"),
+				DeletedUDPClusterIPs:   sets.New("10.96.0.40"),
 				DeletedUDPEndpoints:    []proxy.ServiceEndpoint{{Endpoint: "10.244.2.6:5353", ServicePortName: dnsPort}},
 				NewlyActiveUDPServices: []proxy.ServicePortName{snmpPort},
 			},
 			wantDeleted: []string{
-				"dns via ClusterIP to ep2", "ntp to ep1 IP", "snmp NodePort black-holed", "snmp black-holed", "snmp external IP black-holed",
+				"dns via ClusterIP to ep2", "gone service via ClusterIP", "snmp NodePort black-holed", "snmp black-holed", "snmp external IP black-holed",
 			},
 		},
 		{
@@ -186,16 +274,19 @@ func TestCleanStaleEntries(t *testing.T) {
 			if family == "" {
 				family = v1.IPv4Protocol
 			}
-			services := tc.services
-			if services == nil {
-				services = testServices()
+			cur := testCurrent()
+			if tc.services != nil {
+				cur.Services = tc.services
+			}
+			if tc.endpoints != nil {
+				cur.Endpoints = tc.endpoints
 			}
 			var all []Flow
 			for _, f := range testFlows {
 				all = append(all, f)
 			}
 			ct := NewFake(all...)
-			n, err := CleanStaleEntries(ctx, ct, family, services, tc.stale)
+			n, err := CleanStaleEntries(ctx, ct, family, cur, tc.stale)
 			if err != nil {
 				t.Fatalf("CleanStaleEntries: %v", err)
 			}
@@ -218,17 +309,17 @@ func TestCleanStaleEntries(t *testing.T) {
 
 func TestCleanStaleEntriesError(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
-	ct := NewFake(testFlows["dns via ClusterIP to ep1"])
+	ct := NewFake(testFlows["gone service via ClusterIP"])
 	ct.FailNextClear(errors.New("netlink: no buffer space"))
-	stale := StaleEntries{DeletedUDPClusterIPs: sets.New("10.96.0.10")}
-	if _, err := CleanStaleEntries(ctx, ct, v1.IPv4Protocol, testServices(), stale); err == nil {
+	stale := StaleEntries{DeletedUDPClusterIPs: sets.New("10.96.0.40")}
+	if _, err := CleanStaleEntries(ctx, ct, v1.IPv4Protocol, testCurrent(), stale); err == nil {
 		t.Fatal("CleanStaleEntries succeeded, want the table's error")
 	}
 	if got := len(ct.Flows()); got != 1 {
 		t.Errorf("%d flows left after a failed clear, want 1", got)
 	}
 	// The failure was one-off: the next clean deletes the flow.
-	if n, err := CleanStaleEntries(ctx, ct, v1.IPv4Protocol, testServices(), stale); err != nil || n != 1 {
+	if n, err := CleanStaleEntries(ctx, ct, v1.IPv4Protocol, testCurrent(), stale); err != nil || n != 1 {
 		t.Errorf("second CleanStaleEntries = %d, %v; want 1, nil", n, err)
 	}
 }
@@ -239,13 +330,15 @@ func TestStaleFilters(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
 		stale StaleEntries
-		want  []Filter
+		// cur defaults to testCurrent().
+		cur  *Current
+		want []Filter
 	}{
 		{name: "empty"},
 		{
 			name:  "deleted ClusterIP",
-			stale: StaleEntries{DeletedUDPClusterIPs: sets.New("10.96.0.10", "not-an-ip")},
-			want:  []Filter{{Protocol: v1.ProtocolUDP, OrigDstIP: netip.MustParseAddr("10.96.0.10")}},
+			stale: StaleEntries{DeletedUDPClusterIPs: sets.New("10.96.0.40", "not-an-ip")},
+			want:  []Filter{{Protocol: v1.ProtocolUDP, OrigDstIP: netip.MustParseAddr("10.96.0.40")}},
 		},
 		{
 			name: "deleted endpoint listed twice gives each filter once",
@@ -261,6 +354,19 @@ func TestStaleFilters(t *testing.T) {
 			},
 		},
 		{
+			name:  "deleted endpoint that serves another UDP port of the service",
+			stale: StaleEntries{DeletedUDPEndpoints: []proxy.ServiceEndpoint{{Endpoint: "10.244.1.5:5353", ServicePortName: dnsPort}}},
+			cur: &Current{Services: testServices(), Endpoints: proxy.EndpointsMap{
+				dnsAlt: {servingEP("10.244.1.5:5353")},
+			}},
+			want: []Filter{
+				{Protocol: v1.ProtocolUDP, OrigDstIP: netip.MustParseAddr("10.96.0.10"), OrigDstPort: 53, ReplySrcIP: ep, ReplySrcPort: 5353},
+				{Protocol: v1.ProtocolUDP, OrigDstIP: netip.MustParseAddr("192.0.2.10"), OrigDstPort: 53, ReplySrcIP: ep, ReplySrcPort: 5353},
+				{Protocol: v1.ProtocolUDP, OrigDstIP: netip.MustParseAddr("198.51.100.10"), OrigDstPort: 53, ReplySrcIP: ep, ReplySrcPort: 5353},
+				{Protocol: v1.ProtocolUDP, OrigDstPort: 30053, ReplySrcIP: ep, ReplySrcPort: 5353},
+			},
+		},
+		{
 			name:  "newly active",
 			stale: StaleEntries{NewlyActiveUDPServices: []proxy.ServicePortName{snmpPort}},
 			want: []Filter{
@@ -271,7 +377,11 @@ func TestStaleFilters(t *testing.T) {
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got := StaleFilters(logger, testServices(), tc.stale)
+			cur := testCurrent()
+			if tc.cur != nil {
+				cur = *tc.cur
+			}
+			got := StaleFilters(logger, cur, tc.stale)
 			if !sets.New(got...).Equal(sets.New(tc.want...)) || len(got) != len(tc.want) {
 				t.Errorf("filters:\n%v\nwant\n%v", got, tc.want)
 			}

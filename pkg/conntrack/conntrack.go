@@ -7,16 +7,21 @@
 // goes away (or the service had none and the packets were dropped), the
 // client keeps sending into the void until the entry times out, which for a
 // DNS resolver re-using its socket may be never. After each successful sync
-// kproxy therefore deletes the UDP entries the sync made stale:
+// kproxy therefore deletes the UDP entries the sync made stale. It follows
+// upstream kube-proxy's rule, that an entry to a service port is kept
+// exactly when a serving endpoint answers it (an endpoint that is
+// terminating but still serving keeps its flows until they end), working
+// from the changes of each sync (see StaleFilters):
 //
-//   - a deleted UDP ClusterIP: every UDP entry whose original destination is
-//     that IP;
-//   - a UDP endpoint that stopped taking traffic: the entries whose reply
-//     source is that endpoint (IP and port) and whose original destination
-//     is one of the service's IPs (ClusterIP, external IPs, load-balancer
-//     IPs), or the service's node port;
-//   - a UDP service port that got its first endpoint: the entries to its IPs
-//     and port, and to its node port, made while traffic was black-holed.
+//   - a UDP endpoint that stopped serving or was removed: the entries whose
+//     reply source is that endpoint (IP and port) and whose original
+//     destination is one of the service's IPs (ClusterIP, external IPs,
+//     load-balancer IPs), or the service port's node port;
+//   - a UDP service port that got its first usable endpoint: the entries to
+//     its IPs and port, and to its node port, made while traffic was not
+//     DNATed;
+//   - a deleted UDP ClusterIP that no UDP service port uses any more: every
+//     UDP entry whose original destination is that IP.
 //
 // Interface is implemented over netlink (Real) and by an in-memory table
 // (Fake). Sysctl and ConfigureSysctls set nf_conntrack_max and the

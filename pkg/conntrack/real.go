@@ -13,6 +13,8 @@ import (
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
+
+	"github.com/kproxy/kproxy/pkg/netlink"
 )
 
 // Options configures the real implementation returned by New.
@@ -72,7 +74,9 @@ func inetFamily(family v1.IPFamily) (vnl.InetFamily, error) {
 	return 0, fmt.Errorf("unknown IP family %q", family)
 }
 
-// ListEntries implements Interface.
+// ListEntries implements Interface. A dump the kernel reports as
+// interrupted is read again; when it keeps being interrupted the error
+// comes with the last, possibly partial, list.
 func (r *Real) ListEntries(ctx context.Context, family v1.IPFamily) ([]Flow, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
@@ -83,20 +87,21 @@ func (r *Real) ListEntries(ctx context.Context, family v1.IPFamily) ([]Flow, err
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	flows, err := r.h.ConntrackTableList(vnl.ConntrackTable, fam)
+	flows, err := netlink.RetryDump(ctx, fmt.Sprintf("listing %s conntrack entries", family), func() ([]*vnl.ConntrackFlow, error) {
+		return r.h.ConntrackTableList(vnl.ConntrackTable, fam)
+	})
 	out := make([]Flow, 0, len(flows))
 	for _, f := range flows {
 		out = append(out, flowFromNetlink(f))
 	}
-	if err != nil {
-		return out, fmt.Errorf("listing %s conntrack entries: %w", family, err)
-	}
-	return out, nil
+	return out, err
 }
 
 // ClearEntries implements Interface. The kernel offers no deletion by
 // filter: the table is dumped and each matching flow deleted by its tuple.
-// A flow that is gone by then counts as deleted.
+// A flow that is gone by then counts as deleted. When the kernel reports
+// the dump as interrupted, the flows it did return are deleted all the
+// same and the table is dumped again, since a flow may have been missed.
 func (r *Real) ClearEntries(ctx context.Context, family v1.IPFamily, filters ...Filter) (int, error) {
 	if len(filters) == 0 {
 		return 0, nil
@@ -110,9 +115,14 @@ func (r *Real) ClearEntries(ctx context.Context, family v1.IPFamily, filters ...
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	n, err := r.h.ConntrackDeleteFilters(vnl.ConntrackTable, fam, netlinkFilter(filters))
+	var n uint
+	_, err = netlink.RetryDump(ctx, fmt.Sprintf("deleting %s conntrack entries", family), func() (struct{}, error) {
+		deleted, err := r.h.ConntrackDeleteFilters(vnl.ConntrackTable, fam, netlinkFilter(filters))
+		n += deleted
+		return struct{}{}, err
+	})
 	if err != nil {
-		return int(n), fmt.Errorf("deleting %s conntrack entries: %w", family, err)
+		return int(n), err
 	}
 	klog.FromContext(ctx).V(4).Info("Deleted conntrack entries", "ipFamily", family, "filters", len(filters), "deleted", n)
 	return int(n), nil

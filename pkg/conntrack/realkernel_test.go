@@ -163,13 +163,28 @@ func realServices() proxy.ServicePortMap {
 	}
 }
 
+// realCurrent is the state after the sync: every service but "other" has
+// a serving endpoint that no test flow uses.
+func realCurrent() Current {
+	return Current{
+		Services: realServices(),
+		Endpoints: proxy.EndpointsMap{
+			portName("dns", "dns", v1.ProtocolUDP):   {servingEP("10.0.0.3:5353")},
+			portName("dns", "alt", v1.ProtocolUDP):   {servingEP("10.0.0.3:5301")},
+			portName("snmp", "snmp", v1.ProtocolUDP): {servingEP("10.0.0.3:161")},
+		},
+	}
+}
+
 // TestRealCleanStaleEntries creates real UDP conntrack entries through DNAT
 // rules and deletes the stale ones with the netlink implementation.
 func TestRealCleanStaleEntries(t *testing.T) {
 	all := []int{sportSvcToEP1, sportSvcToEP2, sportOtherSvcEP1, sportNodePortEP1, sportBlackHoled, sportAltPortEP1}
 	for _, tc := range []struct {
-		name        string
-		stale       StaleEntries
+		name  string
+		stale StaleEntries
+		// cur defaults to realCurrent().
+		cur         *Current
 		wantDeleted []int
 	}{
 		{name: "nothing stale"},
@@ -179,9 +194,28 @@ func TestRealCleanStaleEntries(t *testing.T) {
 			wantDeleted: []int{sportSvcToEP1, sportNodePortEP1},
 		},
 		{
-			name:        "deleted ClusterIP: every UDP flow to it",
-			stale:       StaleEntries{DeletedUDPClusterIPs: sets.New("10.96.0.10")},
+			name:  "deleted endpoint now terminating but serving: nothing",
+			stale: StaleEntries{DeletedUDPEndpoints: []proxy.ServiceEndpoint{{Endpoint: "10.0.0.1:5353", ServicePortName: portName("dns", "dns", v1.ProtocolUDP)}}},
+			cur: func() *Current {
+				cur := realCurrent()
+				cur.Endpoints[portName("dns", "dns", v1.ProtocolUDP)] = []*proxy.Endpoint{terminatingEP("10.0.0.1:5353")}
+				return &cur
+			}(),
+		},
+		{
+			name:  "deleted ClusterIP of a deleted service: every UDP flow to it",
+			stale: StaleEntries{DeletedUDPClusterIPs: sets.New("10.96.0.10")},
+			cur: func() *Current {
+				cur := realCurrent()
+				delete(cur.Services, portName("dns", "dns", v1.ProtocolUDP))
+				delete(cur.Services, portName("dns", "alt", v1.ProtocolUDP))
+				return &cur
+			}(),
 			wantDeleted: []int{sportSvcToEP1, sportSvcToEP2, sportAltPortEP1},
+		},
+		{
+			name:  "deleted ClusterIP still used by a UDP port: nothing",
+			stale: StaleEntries{DeletedUDPClusterIPs: sets.New("10.96.0.10")},
 		},
 		{
 			name:        "newly active service: the black-holed flow",
@@ -196,7 +230,11 @@ func TestRealCleanStaleEntries(t *testing.T) {
 			if got := topo.clientPorts(t); !slices.Equal(got, all) {
 				t.Fatalf("flows before cleaning: client ports %v, want %v", got, all)
 			}
-			n, err := CleanStaleEntries(ctx, topo.ct, v1.IPv4Protocol, realServices(), tc.stale)
+			cur := realCurrent()
+			if tc.cur != nil {
+				cur = *tc.cur
+			}
+			n, err := CleanStaleEntries(ctx, topo.ct, v1.IPv4Protocol, cur, tc.stale)
 			if err != nil {
 				t.Fatalf("CleanStaleEntries: %v", err)
 			}
@@ -263,7 +301,8 @@ func TestRealStaleEntryRedirect(t *testing.T) {
 	svc := portName("dns", "dns", v1.ProtocolUDP)
 	services := proxy.ServicePortMap{svc: {Name: svc, ClusterIP: netip.MustParseAddr("10.96.0.40"), Port: 53, Protocol: v1.ProtocolUDP}}
 	stale := StaleEntries{DeletedUDPEndpoints: []proxy.ServiceEndpoint{{Endpoint: "10.0.0.1:5353", ServicePortName: svc}}}
-	if n, err := CleanStaleEntries(ctx, topo.ct, v1.IPv4Protocol, services, stale); err != nil || n != 1 {
+	cur := Current{Services: services, Endpoints: proxy.EndpointsMap{svc: {servingEP("10.0.0.2:5353")}}}
+	if n, err := CleanStaleEntries(ctx, topo.ct, v1.IPv4Protocol, cur, stale); err != nil || n != 1 {
 		t.Fatalf("CleanStaleEntries = %d, %v; want 1, nil", n, err)
 	}
 	if got := ask(); got != "ep2" {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -18,6 +19,8 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/kproxy/kproxy/pkg/netlink"
 )
 
 // Options configures the real implementation returned by New.
@@ -112,14 +115,43 @@ func (r *Real) Close() error {
 
 // call runs a netlink ipset call, turning a panic into an error: the
 // library asserts that every failure is an errno, which a few (an
-// interrupted dump, a reply from the wrong sender) are not.
+// interrupted dump, a reply from the wrong sender) are not. The panic of
+// an interrupted dump becomes an error wrapping netlink.ErrDumpInterrupted,
+// so that the dump can be retried.
 func call(fn func() error) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
+			if isDumpInterruptedPanic(p) {
+				err = fmt.Errorf("netlink ipset request: %w", netlink.ErrDumpInterrupted)
+				return
+			}
 			err = fmt.Errorf("netlink ipset request failed: %v", p)
 		}
 	}()
 	return fn()
+}
+
+// isDumpInterruptedPanic reports whether p is the panic of the library's
+// errno assertion failing on netlink.ErrDumpInterrupted: it compares p
+// with the panic of that very assertion, made here.
+func isDumpInterruptedPanic(p any) bool {
+	got, ok := p.(runtime.Error)
+	if !ok {
+		return false
+	}
+	return got.Error() == errnoAssertionPanic(netlink.ErrDumpInterrupted)
+}
+
+// errnoAssertionPanic is the message of the panic that asserting err to
+// be a syscall.Errno raises ("" when err is one).
+func errnoAssertionPanic(err error) (msg string) {
+	defer func() {
+		if p, ok := recover().(runtime.Error); ok {
+			msg = p.Error()
+		}
+	}()
+	_ = err.(syscall.Errno)
+	return ""
 }
 
 // errno extracts the kernel's error number, ipset's private ones included.
@@ -185,7 +217,7 @@ func (r *Real) EnsureSet(ctx context.Context, set Set) error {
 		if n != int(unix.EEXIST) && n != nl.IPSET_ERR_EXIST {
 			return fmt.Errorf("creating %s set %s: %w", set.Type, set.Name, kernelErr(err))
 		}
-		if err := r.checkExisting(set); err != nil {
+		if err := r.checkExisting(ctx, set); err != nil {
 			return err
 		}
 	}
@@ -225,12 +257,15 @@ func createOptions(set Set, mayExist bool) vnl.IpsetCreateOptions {
 const extensionFlags = nl.IPSET_FLAG_WITH_COMMENT | nl.IPSET_FLAG_WITH_COUNTERS | nl.IPSET_FLAG_WITH_SKBINFO | nl.IPSET_FLAG_WITH_FORCEADD
 
 // checkExisting compares the existing set name with set.
-func (r *Real) checkExisting(set Set) error {
-	var have header
-	err := r.list(set.Name, listHeader, func(h header) { have = h })
+func (r *Real) checkExisting(ctx context.Context, set Set) error {
+	headers, err := r.list(ctx, "reading existing set "+set.Name, set.Name, listHeader)
 	if err != nil {
-		return fmt.Errorf("reading existing set %s: %w", set.Name, kernelErr(err))
+		return err
 	}
+	if len(headers) == 0 {
+		return fmt.Errorf("reading existing set %s: the kernel listed nothing", set.Name)
+	}
+	have := headers[len(headers)-1]
 	haveSet := Set{Name: set.Name, Type: Type(have.typeName), IPv6: have.family == unix.AF_INET6}.normalized()
 	var wantFlags uint32
 	if set.Comment != "" {
@@ -279,10 +314,13 @@ func (r *Real) ListSets(ctx context.Context) ([]string, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	var names []string
-	err := r.list("", listSetName, func(h header) { names = append(names, h.name) })
+	headers, err := r.list(ctx, "listing sets", "", listSetName)
 	if err != nil {
-		return nil, fmt.Errorf("listing sets: %w", kernelErr(err))
+		return nil, err
+	}
+	names := make([]string, 0, len(headers))
+	for _, h := range headers {
+		names = append(names, h.name)
 	}
 	slices.Sort(names)
 	return slices.Compact(names), nil
@@ -297,14 +335,17 @@ func (r *Real) Entries(ctx context.Context, name string) ([]Entry, error) {
 	if err := validateName(name); err != nil {
 		return nil, err
 	}
-	var res *vnl.IPSetResult
-	err := call(func() error {
-		var err error
-		res, err = r.h.IpsetList(name)
-		return err
+	res, err := netlink.RetryDump(ctx, "listing entries of set "+name, func() (*vnl.IPSetResult, error) {
+		var res *vnl.IPSetResult
+		err := call(func() error {
+			var err error
+			res, err = r.h.IpsetList(name)
+			return err
+		})
+		return res, kernelErr(err)
 	})
 	if err != nil {
-		return nil, fmt.Errorf("listing entries of set %s: %w", name, kernelErr(err))
+		return nil, err
 	}
 	typ := Type(res.TypeName)
 	if _, ok := revisions[typ]; !ok {
@@ -526,8 +567,17 @@ type header struct {
 // list dumps the set name (every set when empty) with listing flags,
 // parsing each message itself: netlink's parser logs every attribute it does
 // not know (such as newer kernels' bucket size) through the standard
-// logger, and its listing always includes every entry.
-func (r *Real) list(name string, flags uint32, fn func(header)) error {
+// logger, and its listing always includes every entry. An interrupted dump
+// is retried; errors name op.
+func (r *Real) list(ctx context.Context, op, name string, flags uint32) ([]header, error) {
+	return netlink.RetryDump(ctx, op, func() ([]header, error) {
+		headers, err := r.listOnce(name, flags)
+		return headers, kernelErr(err)
+	})
+}
+
+// listOnce dumps as list does, once.
+func (r *Real) listOnce(name string, flags uint32) ([]header, error) {
 	req := nl.NewNetlinkRequest(nl.IPSET_CMD_LIST|(unix.NFNL_SUBSYS_IPSET<<8), nl.GetIpsetFlags(nl.IPSET_CMD_LIST))
 	req.Sockets = r.rawSockets
 	req.AddData(&nl.Nfgenmsg{NfgenFamily: unix.AF_NETLINK, Version: nl.NFNETLINK_V0})
@@ -536,20 +586,23 @@ func (r *Real) list(name string, flags uint32, fn func(header)) error {
 		req.AddData(nl.NewRtAttr(nl.IPSET_ATTR_SETNAME, nl.ZeroTerminated(name)))
 	}
 	req.AddData(nl.NewRtAttr(nl.IPSET_ATTR_FLAGS, binary.BigEndian.AppendUint32(nil, flags)))
-	var parseErr error
+	var (
+		headers  []header
+		parseErr error
+	)
 	err := req.ExecuteIter(unix.NETLINK_NETFILTER, 0, func(msg []byte) bool {
 		h, err := parseHeader(msg)
 		if err != nil {
 			parseErr = err
 			return false
 		}
-		fn(h)
+		headers = append(headers, h)
 		return true
 	})
 	if err != nil {
-		return err
+		return headers, err
 	}
-	return parseErr
+	return headers, parseErr
 }
 
 // parseHeader reads one listing message: the netfilter header, then

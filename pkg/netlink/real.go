@@ -59,9 +59,10 @@ func (r *Real) Close() error {
 	return nil
 }
 
-// link looks dev up; (nil, nil) when absent.
-func (r *Real) link(dev string) (vnl.Link, error) {
-	l, err := r.h.LinkByName(dev)
+// link looks dev up; (nil, nil) when absent. Kernels that cannot look a
+// device up by name make the library dump every device, hence the retry.
+func (r *Real) link(ctx context.Context, dev string) (vnl.Link, error) {
+	l, err := RetryDump(ctx, "looking up device "+dev, func() (vnl.Link, error) { return r.h.LinkByName(dev) })
 	if err == nil {
 		return l, nil
 	}
@@ -69,7 +70,7 @@ func (r *Real) link(dev string) (vnl.Link, error) {
 	if errors.As(err, &nf) || errors.Is(err, unix.ENODEV) {
 		return nil, nil
 	}
-	return nil, fmt.Errorf("looking up device %s: %w", dev, err)
+	return nil, err
 }
 
 // EnsureDummyDevice implements Interface.
@@ -81,7 +82,7 @@ func (r *Real) EnsureDummyDevice(ctx context.Context, name string) (bool, error)
 		return false, err
 	}
 	for attempt := 0; ; attempt++ {
-		l, err := r.link(name)
+		l, err := r.link(ctx, name)
 		if err != nil {
 			return false, err
 		}
@@ -114,7 +115,7 @@ func (r *Real) DeleteDummyDevice(ctx context.Context, name string) error {
 	if err := validateDeviceName(name); err != nil {
 		return err
 	}
-	l, err := r.link(name)
+	l, err := r.link(ctx, name)
 	if err != nil || l == nil {
 		return err
 	}
@@ -129,14 +130,14 @@ func (r *Real) DeleteDummyDevice(ctx context.Context, name string) error {
 }
 
 // findAddr returns dev's address addr, nil when dev lacks it.
-func (r *Real) findAddr(l vnl.Link, addr netip.Addr) (*vnl.Addr, error) {
+func (r *Real) findAddr(ctx context.Context, l vnl.Link, addr netip.Addr) (*vnl.Addr, error) {
 	family := vnl.FAMILY_V4
 	if addr.Is6() {
 		family = vnl.FAMILY_V6
 	}
-	addrs, err := r.h.AddrList(l, family)
+	addrs, err := RetryDump(ctx, "listing addresses of device "+l.Attrs().Name, func() ([]vnl.Addr, error) { return r.h.AddrList(l, family) })
 	if err != nil {
-		return nil, fmt.Errorf("listing addresses of %s: %w", l.Attrs().Name, err)
+		return nil, err
 	}
 	for i := range addrs {
 		if a, ok := toAddr(addrs[i].IP); ok && a == addr {
@@ -157,7 +158,7 @@ func (r *Real) EnsureAddressBound(ctx context.Context, addr netip.Addr, dev stri
 	if err := validateDeviceName(dev); err != nil {
 		return false, err
 	}
-	l, err := r.link(dev)
+	l, err := r.link(ctx, dev)
 	if err != nil {
 		return false, err
 	}
@@ -196,11 +197,11 @@ func (r *Real) UnbindAddress(ctx context.Context, addr netip.Addr, dev string) e
 	if err := validateDeviceName(dev); err != nil {
 		return err
 	}
-	l, err := r.link(dev)
+	l, err := r.link(ctx, dev)
 	if err != nil || l == nil {
 		return err
 	}
-	found, err := r.findAddr(l, addr)
+	found, err := r.findAddr(ctx, l, addr)
 	if err != nil || found == nil {
 		return err
 	}
@@ -219,16 +220,16 @@ func (r *Real) ListBoundAddresses(ctx context.Context, dev string) ([]netip.Addr
 	if err := validateDeviceName(dev); err != nil {
 		return nil, err
 	}
-	l, err := r.link(dev)
+	l, err := r.link(ctx, dev)
 	if err != nil {
 		return nil, err
 	}
 	if l == nil {
 		return nil, fmt.Errorf("listing addresses of device %s: device %w", dev, ErrNotExist)
 	}
-	addrs, err := r.h.AddrList(l, vnl.FAMILY_ALL)
+	addrs, err := RetryDump(ctx, "listing addresses of device "+dev, func() ([]vnl.Addr, error) { return r.h.AddrList(l, vnl.FAMILY_ALL) })
 	if err != nil {
-		return nil, fmt.Errorf("listing addresses of device %s: %w", dev, err)
+		return nil, err
 	}
 	return collect(addrs, nil), nil
 }
@@ -240,9 +241,9 @@ func (r *Real) LocalAddresses(ctx context.Context, excludeDevs ...string) ([]net
 	}
 	excluded := map[int]bool{}
 	if len(excludeDevs) > 0 {
-		links, err := r.h.LinkList()
+		links, err := RetryDump(ctx, "listing devices", r.h.LinkList)
 		if err != nil {
-			return nil, fmt.Errorf("listing devices: %w", err)
+			return nil, err
 		}
 		for _, l := range links {
 			if slices.Contains(excludeDevs, l.Attrs().Name) {
@@ -250,9 +251,9 @@ func (r *Real) LocalAddresses(ctx context.Context, excludeDevs ...string) ([]net
 			}
 		}
 	}
-	addrs, err := r.h.AddrList(nil, vnl.FAMILY_ALL)
+	addrs, err := RetryDump(ctx, "listing addresses", func() ([]vnl.Addr, error) { return r.h.AddrList(nil, vnl.FAMILY_ALL) })
 	if err != nil {
-		return nil, fmt.Errorf("listing addresses: %w", err)
+		return nil, err
 	}
 	return collect(addrs, excluded), nil
 }

@@ -54,13 +54,14 @@ type ServiceEndpoint struct {
 type UpdateEndpointsMapResult struct {
 	// UpdatedServices names every service whose endpoints changed.
 	UpdatedServices sets.Set[types.NamespacedName]
-	// DeletedUDPEndpoints are UDP endpoints that could take traffic before
-	// and no longer can (removed, or no longer ready): their conntrack
-	// entries must be cleared. Sorted.
+	// DeletedUDPEndpoints are UDP endpoints that may have had flows and are
+	// now removed or no longer serving: their conntrack entries must be
+	// cleared. An endpoint that turns terminating but keeps serving is not
+	// among them, so that its flows drain. Sorted.
 	DeletedUDPEndpoints []ServiceEndpoint
 	// NewlyActiveUDPServices are UDP service ports that went from no usable
-	// endpoint to some: conntrack entries made while they had none must be
-	// cleared. Sorted.
+	// endpoint to some: conntrack entries made while traffic to them was
+	// not DNATed must be cleared. Sorted.
 	NewlyActiveUDPServices []ServicePortName
 	// LastChangeTriggerTimes are the endpoints.kubernetes.io/last-change-trigger-time
 	// values of the applied changes, per updated service.
@@ -191,9 +192,12 @@ func endpointUsable(ep *Endpoint) bool {
 	return ep.Ready || (ep.Serving && ep.Terminating)
 }
 
-// appendDeletedUDPEndpoints adds the UDP endpoints of previous that could
-// take traffic and in current no longer can in the same way: gone, no longer
-// usable, or no longer ready (a ready endpoint turning terminating).
+// appendDeletedUDPEndpoints adds the UDP endpoints of previous that may have
+// flows (serving or usable) and in current are gone or no longer serving.
+// Serving is what keeps an endpoint's conntrack entries, as in upstream
+// kube-proxy's reconciler: a ready endpoint that turns terminating but
+// still serves keeps them, so that its flows drain; it loses them when it
+// stops serving or is removed.
 func appendDeletedUDPEndpoints(out []ServiceEndpoint, previous, current EndpointsMap) []ServiceEndpoint {
 	for name, oldEps := range previous {
 		if name.Protocol != v1.ProtocolUDP {
@@ -204,11 +208,10 @@ func appendDeletedUDPEndpoints(out []ServiceEndpoint, previous, current Endpoint
 			now[netip.AddrPortFrom(ep.IP, uint16(ep.Port))] = ep
 		}
 		for _, old := range oldEps {
-			if !endpointUsable(old) {
+			if !old.Serving && !endpointUsable(old) {
 				continue
 			}
-			cur, ok := now[netip.AddrPortFrom(old.IP, uint16(old.Port))]
-			if ok && endpointUsable(cur) && (!old.Ready || cur.Ready) {
+			if cur, ok := now[netip.AddrPortFrom(old.IP, uint16(old.Port))]; ok && cur.Serving {
 				continue
 			}
 			out = append(out, ServiceEndpoint{Endpoint: old.String(), ServicePortName: name})
@@ -218,31 +221,20 @@ func appendDeletedUDPEndpoints(out []ServiceEndpoint, previous, current Endpoint
 }
 
 // appendNewlyActiveUDPServices adds the UDP service ports of current that had
-// no ready (or no usable) endpoint in previous and now have one.
+// no usable endpoint in previous and now have one. A port whose only
+// endpoints were serving and terminating (usable as the fallback) that
+// gets a ready one is not newly active: its traffic was DNATed all along,
+// and the terminating endpoints' flows must drain.
 func appendNewlyActiveUDPServices(out []ServicePortName, previous, current EndpointsMap) []ServicePortName {
 	for name, eps := range current {
 		if name.Protocol != v1.ProtocolUDP {
 			continue
 		}
-		oldReady, oldUsable := countEndpoints(previous[name])
-		newReady, newUsable := countEndpoints(eps)
-		if (oldReady == 0 && newReady > 0) || (oldUsable == 0 && newUsable > 0) {
+		if !slices.ContainsFunc(previous[name], endpointUsable) && slices.ContainsFunc(eps, endpointUsable) {
 			out = append(out, name)
 		}
 	}
 	return out
-}
-
-func countEndpoints(eps []*Endpoint) (ready, usable int) {
-	for _, ep := range eps {
-		if ep.Ready {
-			ready++
-		}
-		if endpointUsable(ep) {
-			usable++
-		}
-	}
-	return ready, usable
 }
 
 func compareServicePortNames(a, b ServicePortName) int {

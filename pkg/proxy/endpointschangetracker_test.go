@@ -53,6 +53,8 @@ func TestEndpointsChangeTracker(t *testing.T) {
 	s1OnlyFirst := udp("s1", escEndpoint("10.0.0.1"))
 	s1SecondNotReady := udp("s1", escEndpoint("10.0.0.1"), escEndpoint("10.0.0.2", escNotReady))
 	s1SecondTerminating := udp("s1", escEndpoint("10.0.0.1"), escEndpoint("10.0.0.2", escTerminating))
+	s1SecondTerminatingNotServing := udp("s1", escEndpoint("10.0.0.1"), escEndpoint("10.0.0.2", escConditions(ptr.To(false), ptr.To(false), ptr.To(true))))
+	s1SecondNotReadyServingUnset := udp("s1", escEndpoint("10.0.0.1"), escEndpoint("10.0.0.2", escConditions(ptr.To(false), nil, nil)))
 	s1FirstTerminating := udp("s1", escEndpoint("10.0.0.1", escTerminating))
 	s1NotReady := udp("s1", escEndpoint("10.0.0.1", escNotReady))
 	s2 := udp("s2", escEndpoint("10.0.0.3"))
@@ -145,16 +147,66 @@ func TestEndpointsChangeTracker(t *testing.T) {
 			},
 		},
 		{
-			name:        "UDP endpoint turned terminating is no longer ready",
+			name:        "UDP endpoint terminating but still serving keeps its entries",
 			initial:     []*discovery.EndpointSlice{s1},
 			steps:       []step{{s1SecondTerminating, false}},
 			wantReturn:  []bool{true},
 			wantPending: []string{"ns/svc"},
 			wantUpdated: svcName,
-			wantDeleted: []ServiceEndpoint{{Endpoint: "10.0.0.2:53", ServicePortName: dns}},
 			wantEndpoints: []string{
 				"ns/svc:dns/UDP=10.0.0.1:53 ready", "ns/svc:dns/UDP=10.0.0.2:53 terminating",
 				"ns/svc:http/TCP=10.0.0.1:80 ready", "ns/svc:http/TCP=10.0.0.2:80 terminating",
+			},
+		},
+		{
+			name:        "terminating UDP endpoint stops serving",
+			initial:     []*discovery.EndpointSlice{s1SecondTerminating},
+			steps:       []step{{s1SecondTerminatingNotServing, false}},
+			wantReturn:  []bool{true},
+			wantPending: []string{"ns/svc"},
+			wantUpdated: svcName,
+			wantDeleted: []ServiceEndpoint{{Endpoint: "10.0.0.2:53", ServicePortName: dns}},
+			wantEndpoints: []string{
+				"ns/svc:dns/UDP=10.0.0.1:53 ready", "ns/svc:dns/UDP=10.0.0.2:53 not-ready",
+				"ns/svc:http/TCP=10.0.0.1:80 ready", "ns/svc:http/TCP=10.0.0.2:80 not-ready",
+			},
+		},
+		{
+			name:        "ready UDP endpoint stops serving at once",
+			initial:     []*discovery.EndpointSlice{s1},
+			steps:       []step{{s1SecondTerminatingNotServing, false}},
+			wantReturn:  []bool{true},
+			wantPending: []string{"ns/svc"},
+			wantUpdated: svcName,
+			wantDeleted: []ServiceEndpoint{{Endpoint: "10.0.0.2:53", ServicePortName: dns}},
+			wantEndpoints: []string{
+				"ns/svc:dns/UDP=10.0.0.1:53 ready", "ns/svc:dns/UDP=10.0.0.2:53 not-ready",
+				"ns/svc:http/TCP=10.0.0.1:80 ready", "ns/svc:http/TCP=10.0.0.2:80 not-ready",
+			},
+		},
+		{
+			// Serving unset reads as serving, as upstream reads it.
+			name:        "not-ready UDP endpoint without a serving condition keeps its entries",
+			initial:     []*discovery.EndpointSlice{s1},
+			steps:       []step{{s1SecondNotReadyServingUnset, false}},
+			wantReturn:  []bool{true},
+			wantPending: []string{"ns/svc"},
+			wantUpdated: svcName,
+			wantEndpoints: []string{
+				"ns/svc:dns/UDP=10.0.0.1:53 ready", "ns/svc:dns/UDP=10.0.0.2:53 not-ready",
+				"ns/svc:http/TCP=10.0.0.1:80 ready", "ns/svc:http/TCP=10.0.0.2:80 not-ready",
+			},
+		},
+		{
+			name:        "terminating UDP endpoint ready again needs no cleanup",
+			initial:     []*discovery.EndpointSlice{s1SecondTerminating},
+			steps:       []step{{s1, false}},
+			wantReturn:  []bool{true},
+			wantPending: []string{"ns/svc"},
+			wantUpdated: svcName,
+			wantEndpoints: []string{
+				"ns/svc:dns/UDP=10.0.0.1:53 ready", "ns/svc:dns/UDP=10.0.0.2:53 ready",
+				"ns/svc:http/TCP=10.0.0.1:80 ready", "ns/svc:http/TCP=10.0.0.2:80 ready",
 			},
 		},
 		{
@@ -186,13 +238,14 @@ func TestEndpointsChangeTracker(t *testing.T) {
 			wantEndpoints: []string{"ns/svc:dns/UDP=10.0.0.1:53 ready", "ns/svc:http/TCP=10.0.0.1:80 ready"},
 		},
 		{
-			name:          "UDP service from terminating to ready endpoints is newly active",
+			// The terminating endpoints took the traffic: nothing was
+			// black-holed, and their flows must drain.
+			name:          "UDP service from serving terminating to ready endpoints is not newly active",
 			initial:       []*discovery.EndpointSlice{s1FirstTerminating},
 			steps:         []step{{s1OnlyFirst, false}},
 			wantReturn:    []bool{true},
 			wantPending:   []string{"ns/svc"},
 			wantUpdated:   svcName,
-			wantNewActive: []ServicePortName{dns},
 			wantEndpoints: []string{"ns/svc:dns/UDP=10.0.0.1:53 ready", "ns/svc:http/TCP=10.0.0.1:80 ready"},
 		},
 		{
