@@ -357,13 +357,9 @@ func (topo *realTopo) check(t *testing.T, f realFlow) {
 // parseEchoReply splits "<name> <client ip:port>".
 func parseEchoReply(t *testing.T, reply string) (string, netip.AddrPort) {
 	t.Helper()
-	name, addr, ok := strings.Cut(reply, " ")
-	if !ok {
-		t.Fatalf("malformed echo reply %q", reply)
-	}
-	ap, err := netip.ParseAddrPort(addr)
+	name, ap, err := netnstest.ParseEchoReply(reply)
 	if err != nil {
-		t.Fatalf("echo reply %q: %v", reply, err)
+		t.Fatal(err)
 	}
 	return name, ap
 }
