@@ -18,6 +18,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
 	"github.com/kproxy/kproxy/pkg/netnstest"
 	"github.com/kproxy/kproxy/proxier"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
@@ -154,7 +155,7 @@ type realCase struct {
 	affinity     bool            // some service has ClientIP affinity
 
 	backend *Backend
-	mirror  *ipt.Fake // the tracer's copy of the kernel's rules
+	mirror  *iptablestest.Fake // the tracer's copy of the kernel's rules
 
 	flows   []pt.Flow
 	once    sync.Once
@@ -407,11 +408,10 @@ func (rc *realCase) newBackend(t *testing.T) {
 			t.Logf("%s-save -t %s in the node namespace (err %v):\n%s", rc.fam.protocol, table, err, out)
 		}
 	})
-	rc.mirror = ipt.NewFake(rc.fam.protocol)
+	rc.mirror = iptablestest.NewFake(rc.fam.protocol)
 	rc.mirror.RandomFully = real.HasRandomFully()
 	rc.backend, err = New(Options{
-		IPTables: &mirroredIPTables{Interface: real, fake: rc.mirror}, MasqueradeAll: rc.env.MasqueradeAll,
-		ClusterCIDR: rc.env.ClusterCIDR, NodePortAddresses: rc.env.NodePortAddresses,
+		IPTables: &mirroredIPTables{Interface: real, fake: rc.mirror}, NodePortAddresses: rc.env.NodePortAddresses,
 		LocalAddresses: func() ([]netip.Addr, error) { return nsAddresses(rc.node) },
 	})
 	if err != nil {
@@ -668,7 +668,7 @@ func (r *realReport) log(t *testing.T) {
 // the real one.
 type mirroredIPTables struct {
 	ipt.Interface
-	fake *ipt.Fake
+	fake *iptablestest.Fake
 }
 
 // mirrored runs real, then (if it succeeded) fake.
