@@ -3,6 +3,7 @@ package config
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"testing"
@@ -10,10 +11,12 @@ import (
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2/ktesting"
 )
@@ -29,11 +32,10 @@ func TestServiceSelector(t *testing.T) {
 		{name: "default proxy ignores unrelated labels", labels: map[string]string{"app": "web"}, wantMatch: true},
 		{name: "default proxy skips objects of a named proxy", labels: map[string]string{LabelServiceProxyName: "other"}, wantMatch: false},
 		{name: "default proxy skips an empty proxy name label", labels: map[string]string{LabelServiceProxyName: ""}, wantMatch: false},
-		{name: "default proxy skips headless slices", labels: map[string]string{LabelHeadless: ""}, wantMatch: false},
+		{name: "the headless label is not looked at", labels: map[string]string{LabelHeadless: ""}, wantMatch: true},
 		{name: "named proxy takes its own objects", proxyName: "kproxy", labels: map[string]string{LabelServiceProxyName: "kproxy"}, wantMatch: true},
 		{name: "named proxy skips other proxies' objects", proxyName: "kproxy", labels: map[string]string{LabelServiceProxyName: "other"}, wantMatch: false},
 		{name: "named proxy skips unlabelled objects", proxyName: "kproxy", labels: nil, wantMatch: false},
-		{name: "named proxy skips its own headless slices", proxyName: "kproxy", labels: map[string]string{LabelServiceProxyName: "kproxy", LabelHeadless: ""}, wantMatch: false},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -54,8 +56,8 @@ func TestServiceSelectorString(t *testing.T) {
 		proxyName string
 		want      string
 	}{
-		{name: "default proxy", want: "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"},
-		{name: "named proxy", proxyName: "kproxy", want: "service.kubernetes.io/service-proxy-name=kproxy,!service.kubernetes.io/headless"},
+		{name: "default proxy", want: "!service.kubernetes.io/service-proxy-name"},
+		{name: "named proxy", proxyName: "kproxy", want: "service.kubernetes.io/service-proxy-name=kproxy"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -71,6 +73,116 @@ func TestServiceSelectorString(t *testing.T) {
 			// canonical forms.
 			if selector.String() != want.String() {
 				t.Errorf("selector = %q, want %q", selector, want)
+			}
+		})
+	}
+}
+
+func TestEndpointSliceSelector(t *testing.T) {
+	cases := []struct {
+		name      string
+		labels    map[string]string
+		wantMatch bool
+	}{
+		{name: "unlabelled slice", labels: nil, wantMatch: true},
+		{name: "slice of a named proxy's service", labels: map[string]string{LabelServiceProxyName: "other"}, wantMatch: true},
+		{name: "slice of a headless service", labels: map[string]string{LabelHeadless: ""}, wantMatch: false},
+		{name: "slice of a named proxy's headless service", labels: map[string]string{LabelServiceProxyName: "kproxy", LabelHeadless: ""}, wantMatch: false},
+	}
+	selector := EndpointSliceSelector()
+	if got, want := selector.String(), "!service.kubernetes.io/headless"; got != want {
+		t.Errorf("selector = %q, want %q", got, want)
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := selector.Matches(labels.Set(tc.labels)); got != tc.wantMatch {
+				t.Errorf("selector %q matches %v = %v, want %v", selector, tc.labels, got, tc.wantMatch)
+			}
+		})
+	}
+}
+
+func TestServiceFieldSelector(t *testing.T) {
+	selector := ServiceFieldSelector()
+	if got, want := selector.String(), "spec.clusterIP!=None"; got != want {
+		t.Errorf("selector = %q, want %q", got, want)
+	}
+	for clusterIP, want := range map[string]bool{"10.96.0.10": true, "": true, v1.ClusterIPNone: false} {
+		if got := selector.Matches(fields.Set{"spec.clusterIP": clusterIP}); got != want {
+			t.Errorf("selector matches clusterIP %q = %v, want %v", clusterIP, got, want)
+		}
+	}
+}
+
+// TestInformerFactoriesSelectors checks the selectors each informer sends
+// to the API server, as kube-proxy sends them.
+func TestInformerFactoriesSelectors(t *testing.T) {
+	type restrictions struct{ labels, fields string }
+	cases := []struct {
+		name      string
+		proxyName string
+		want      map[string]restrictions
+	}{
+		{
+			name: "default proxy",
+			want: map[string]restrictions{
+				"services":       {labels: "!service.kubernetes.io/service-proxy-name", fields: "spec.clusterIP!=None"},
+				"endpointslices": {labels: "!service.kubernetes.io/headless"},
+				"nodes":          {},
+			},
+		},
+		{
+			name:      "named proxy",
+			proxyName: "kproxy",
+			want: map[string]restrictions{
+				"services":       {labels: "service.kubernetes.io/service-proxy-name=kproxy", fields: "spec.clusterIP!=None"},
+				"endpointslices": {labels: "!service.kubernetes.io/headless"},
+				"nodes":          {},
+			},
+		},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			client := fake.NewClientset()
+			f, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: tc.proxyName})
+			if err != nil {
+				t.Fatalf("NewInformerFactories: %v", err)
+			}
+			f.Services.Core().V1().Services().Informer()
+			f.EndpointSlices.Discovery().V1().EndpointSlices().Informer()
+			f.Nodes.Core().V1().Nodes().Informer()
+			ctx, cancel := context.WithCancel(ctx)
+			f.Start(ctx.Done())
+			for _, factory := range []informers.SharedInformerFactory{f.Services, f.EndpointSlices, f.Nodes} {
+				for typ, ok := range factory.WaitForCacheSync(ctx.Done()) {
+					if !ok {
+						t.Fatalf("informer of %v did not sync", typ)
+					}
+				}
+			}
+			cancel()
+			f.Shutdown()
+
+			got := map[string]restrictions{}
+			for _, action := range client.Actions() {
+				var r restrictions
+				switch a := action.(type) {
+				case k8stesting.ListAction:
+					r = restrictions{labels: a.GetListRestrictions().Labels.String(), fields: a.GetListRestrictions().Fields.String()}
+				case k8stesting.WatchAction:
+					r = restrictions{labels: a.GetWatchRestrictions().Labels.String(), fields: a.GetWatchRestrictions().Fields.String()}
+				default:
+					continue
+				}
+				resource := action.GetResource().Resource
+				if prev, seen := got[resource]; seen && prev != r {
+					t.Errorf("%s: %s with %+v, earlier with %+v", resource, action.GetVerb(), r, prev)
+				}
+				got[resource] = r
+			}
+			if !maps.Equal(got, tc.want) {
+				t.Errorf("selectors by resource = %+v, want %+v", got, tc.want)
 			}
 		})
 	}
@@ -105,12 +217,12 @@ func TestNewInformerFactoriesRejectsBadOptions(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			services, nodes, err := NewInformerFactories(tc.opts)
+			f, err := NewInformerFactories(tc.opts)
 			if err == nil {
 				t.Fatal("NewInformerFactories succeeded, want an error")
 			}
-			if services != nil || nodes != nil {
-				t.Errorf("got factories (%v, %v) with an error, want nil", services, nodes)
+			if f != nil {
+				t.Errorf("got factories %+v with an error, want nil", f)
 			}
 		})
 	}
@@ -239,10 +351,11 @@ func proxyLabels(proxyName string) map[string]string {
 
 var serviceHarness = harness[*v1.Service]{
 	start: func(ctx context.Context, t *testing.T, client *fake.Clientset, proxyName string, recs []*recorder[*v1.Service]) {
-		services, _, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: proxyName})
+		f, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: proxyName})
 		if err != nil {
 			t.Fatalf("NewInformerFactories: %v", err)
 		}
+		services := f.Services
 		cfg, err := NewServiceConfig(ctx, services.Core().V1().Services(), 0)
 		if err != nil {
 			t.Fatalf("NewServiceConfig: %v", err)
@@ -430,18 +543,19 @@ func TestServiceProxyNameSelectsConfig(t *testing.T) {
 
 var sliceHarness = harness[*discovery.EndpointSlice]{
 	start: func(ctx context.Context, t *testing.T, client *fake.Clientset, proxyName string, recs []*recorder[*discovery.EndpointSlice]) {
-		services, _, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: proxyName})
+		f, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: proxyName})
 		if err != nil {
 			t.Fatalf("NewInformerFactories: %v", err)
 		}
-		cfg, err := NewEndpointSliceConfig(ctx, services.Discovery().V1().EndpointSlices(), 0)
+		factory := f.EndpointSlices
+		cfg, err := NewEndpointSliceConfig(ctx, factory.Discovery().V1().EndpointSlices(), 0)
 		if err != nil {
 			t.Fatalf("NewEndpointSliceConfig: %v", err)
 		}
 		for _, rec := range recs {
 			cfg.RegisterEventHandler(sliceRecorder{rec})
 		}
-		cfg.Run(startFactory(ctx, t, services))
+		cfg.Run(startFactory(ctx, t, factory))
 	},
 	apply: func(ctx context.Context, client *fake.Clientset, o op[*discovery.EndpointSlice]) error {
 		slices := client.DiscoveryV1().EndpointSlices(o.obj.Namespace)
@@ -502,14 +616,15 @@ func TestEndpointSliceConfig(t *testing.T) {
 			wantCounts: eventCounts{Adds: 1},
 		},
 		{
-			name:       "default proxy ignores slices of named proxies",
+			name:       "default proxy takes slices of named proxies' services too",
 			initial:    []*discovery.EndpointSlice{newSlice("ns", "other", otherLabels, "10.0.0.1")},
 			ops:        []op[*discovery.EndpointSlice]{create(newSlice("ns", "other2", otherLabels, "10.0.0.2"))},
-			wantAtSync: nil,
-			want:       nil,
+			wantAtSync: []string{"ns/other"},
+			want:       []string{"ns/other", "ns/other2"},
+			wantCounts: eventCounts{Adds: 2},
 		},
 		{
-			name:      "named proxy takes only slices labelled with its name",
+			name:      "named proxy takes every non-headless slice",
 			proxyName: "kproxy",
 			initial: []*discovery.EndpointSlice{
 				newSlice("ns", "mine", kproxyLabels, "10.0.0.1"),
@@ -521,9 +636,9 @@ func TestEndpointSliceConfig(t *testing.T) {
 				create(newSlice("ns", "plain2", nil, "10.0.0.5")),
 				create(newSlice("ns", "mine-headless", map[string]string{LabelServiceProxyName: "kproxy", LabelHeadless: ""}, "10.0.0.6")),
 			},
-			wantAtSync: []string{"ns/mine"},
-			want:       []string{"ns/mine", "ns/mine2"},
-			wantCounts: eventCounts{Adds: 2},
+			wantAtSync: []string{"ns/mine", "ns/other", "ns/plain"},
+			want:       []string{"ns/mine", "ns/mine2", "ns/other", "ns/plain", "ns/plain2"},
+			wantCounts: eventCounts{Adds: 5},
 		},
 	}
 	runConfigCases(t, sliceHarness, cases)
@@ -531,10 +646,11 @@ func TestEndpointSliceConfig(t *testing.T) {
 
 var nodeHarness = harness[*v1.Node]{
 	start: func(ctx context.Context, t *testing.T, client *fake.Clientset, proxyName string, recs []*recorder[*v1.Node]) {
-		_, nodes, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: proxyName})
+		f, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: proxyName})
 		if err != nil {
 			t.Fatalf("NewInformerFactories: %v", err)
 		}
+		nodes := f.Nodes
 		cfg, err := NewNodeConfig(ctx, nodes.Core().V1().Nodes(), 0)
 		if err != nil {
 			t.Fatalf("NewNodeConfig: %v", err)

@@ -12,9 +12,10 @@ import (
 )
 
 // EndpointSliceConfig delivers EndpointSlice events from one informer to
-// every registered EndpointSliceHandler. Filtering (headless services, other
-// proxies' services) is done by the informer's label selector; see
-// NewInformerFactories.
+// every registered EndpointSliceHandler. The slices of headless Services
+// are left out by the informer's label selector (EndpointSliceSelector);
+// slices of Services this proxy does not handle are delivered, as kube-proxy
+// has them, and program nothing without their Service.
 type EndpointSliceConfig struct {
 	logger   klog.Logger
 	synced   cache.InformerSynced

@@ -7,6 +7,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/selection"
 	"k8s.io/client-go/informers"
@@ -14,9 +15,8 @@ import (
 )
 
 const (
-	// LabelServiceProxyName marks a Service (and, copied by the EndpointSlice
-	// controller, its EndpointSlices) as handled by the named proxy instead
-	// of the default one.
+	// LabelServiceProxyName marks a Service as handled by the named proxy
+	// instead of the default one.
 	LabelServiceProxyName = "service.kubernetes.io/service-proxy-name"
 	// LabelHeadless is set by the EndpointSlice controller on the slices of
 	// headless Services.
@@ -28,16 +28,15 @@ type InformerOptions struct {
 	Client kubernetes.Interface
 	// ResyncPeriod is the factories' default resync period (0: no resync).
 	ResyncPeriod time.Duration
-	// ServiceProxyName, when set, selects exactly the Services and
-	// EndpointSlices labelled LabelServiceProxyName=ServiceProxyName; when
-	// empty, those without the label. It must be a valid label value.
+	// ServiceProxyName, when set, selects exactly the Services labelled
+	// LabelServiceProxyName=ServiceProxyName; when empty, those without the
+	// label. It must be a valid label value.
 	ServiceProxyName string
 }
 
-// ServiceSelector returns the label selector kproxy applies to Services and
-// EndpointSlices: objects handled by this proxy (unlabelled when
-// serviceProxyName is empty, labelled with exactly serviceProxyName
-// otherwise) that do not belong to a headless Service. The error reports an
+// ServiceSelector returns the label selector kproxy applies to Services:
+// those handled by this proxy, unlabelled when serviceProxyName is empty,
+// labelled with exactly serviceProxyName otherwise. The error reports an
 // invalid label value.
 func ServiceSelector(serviceProxyName string) (labels.Selector, error) {
 	proxyOp, proxyValues := selection.DoesNotExist, []string(nil)
@@ -48,31 +47,78 @@ func ServiceSelector(serviceProxyName string) (labels.Selector, error) {
 	if err != nil {
 		return nil, fmt.Errorf("invalid service proxy name %q: %w", serviceProxyName, err)
 	}
-	notHeadless, err := labels.NewRequirement(LabelHeadless, selection.DoesNotExist, nil)
-	if err != nil {
-		return nil, fmt.Errorf("building %s requirement: %w", LabelHeadless, err)
-	}
-	return labels.NewSelector().Add(*proxyName, *notHeadless), nil
+	return labels.NewSelector().Add(*proxyName), nil
 }
 
-// NewInformerFactories builds the two shared informer factories kproxy
-// watches through, as upstream kube-proxy does: services, filtered by
-// ServiceSelector, for Services and EndpointSlices (the EndpointSlice
-// controller copies Service labels onto slices, so one selector serves
-// both); and nodes, unfiltered, for Nodes. Neither factory is started.
-func NewInformerFactories(opts InformerOptions) (services, nodes informers.SharedInformerFactory, err error) {
-	if opts.Client == nil {
-		return nil, nil, errors.New("building informer factories: no client")
-	}
-	selector, err := ServiceSelector(opts.ServiceProxyName)
+// ServiceFieldSelector returns the field selector kproxy applies to
+// Services: headless ones (spec.clusterIP "None") are left out by the API
+// server. ServiceConfig skips them too, for API servers and fakes that do
+// not apply the selector.
+func ServiceFieldSelector() fields.Selector {
+	return fields.OneTermNotEqualSelector("spec.clusterIP", v1.ClusterIPNone)
+}
+
+// EndpointSliceSelector returns the label selector kproxy applies to
+// EndpointSlices: those not of a headless Service. As in kube-proxy, the
+// service-proxy-name label is not looked at: a slice of a Service this proxy
+// does not handle has no service port to attach to and programs nothing.
+func EndpointSliceSelector() labels.Selector {
+	notHeadless, err := labels.NewRequirement(LabelHeadless, selection.DoesNotExist, nil)
 	if err != nil {
-		return nil, nil, fmt.Errorf("building informer factories: %w", err)
+		// The key is a constant valid label key.
+		panic(fmt.Sprintf("building the %s requirement: %v", LabelHeadless, err))
 	}
-	selectorString := selector.String()
-	services = informers.NewSharedInformerFactoryWithOptions(opts.Client, opts.ResyncPeriod,
-		informers.WithTweakListOptions(func(options *metav1.ListOptions) {
-			options.LabelSelector = selectorString
-		}))
-	nodes = informers.NewSharedInformerFactory(opts.Client, opts.ResyncPeriod)
-	return services, nodes, nil
+	return labels.NewSelector().Add(*notHeadless)
+}
+
+// InformerFactories are the shared informer factories kproxy watches
+// through, one per selector, as upstream kube-proxy has them.
+type InformerFactories struct {
+	// Services is filtered by ServiceSelector and ServiceFieldSelector.
+	Services informers.SharedInformerFactory
+	// EndpointSlices is filtered by EndpointSliceSelector.
+	EndpointSlices informers.SharedInformerFactory
+	// Nodes is unfiltered: topologyKeys needs every node's labels.
+	Nodes informers.SharedInformerFactory
+}
+
+// Start starts every informer requested from the factories so far.
+func (f *InformerFactories) Start(stop <-chan struct{}) {
+	f.Services.Start(stop)
+	f.EndpointSlices.Start(stop)
+	f.Nodes.Start(stop)
+}
+
+// Shutdown waits for the factories' informers to stop; call it after the
+// channel given to Start is closed.
+func (f *InformerFactories) Shutdown() {
+	f.Services.Shutdown()
+	f.EndpointSlices.Shutdown()
+	f.Nodes.Shutdown()
+}
+
+// NewInformerFactories builds the informer factories of opts. None is
+// started.
+func NewInformerFactories(opts InformerOptions) (*InformerFactories, error) {
+	if opts.Client == nil {
+		return nil, errors.New("building informer factories: no client")
+	}
+	serviceSelector, err := ServiceSelector(opts.ServiceProxyName)
+	if err != nil {
+		return nil, fmt.Errorf("building informer factories: %w", err)
+	}
+	serviceLabels, serviceFields := serviceSelector.String(), ServiceFieldSelector().String()
+	sliceLabels := EndpointSliceSelector().String()
+	return &InformerFactories{
+		Services: informers.NewSharedInformerFactoryWithOptions(opts.Client, opts.ResyncPeriod,
+			informers.WithTweakListOptions(func(options *metav1.ListOptions) {
+				options.LabelSelector = serviceLabels
+				options.FieldSelector = serviceFields
+			})),
+		EndpointSlices: informers.NewSharedInformerFactoryWithOptions(opts.Client, opts.ResyncPeriod,
+			informers.WithTweakListOptions(func(options *metav1.ListOptions) {
+				options.LabelSelector = sliceLabels
+			})),
+		Nodes: informers.NewSharedInformerFactory(opts.Client, opts.ResyncPeriod),
+	}, nil
 }

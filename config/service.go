@@ -9,13 +9,16 @@ import (
 	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
+
+	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
 // ServiceConfig delivers Service events from one informer to every
-// registered ServiceHandler. Headless Services (spec.clusterIP "None") and
-// ExternalName Services are never delivered: kube-proxy programs nothing for
-// them. A Service that turns into one of those is delivered as a delete, and
-// one that stops being one as an add, so handlers see a consistent stream.
+// registered ServiceHandler. Services that proxy.ShouldSkipService skips
+// (headless, ExternalName, without a ClusterIP) are never delivered: kproxy,
+// like kube-proxy, programs nothing for them. A Service that turns into one
+// of those is delivered as a delete, and one that stops being one as an add,
+// so handlers see a consistent stream.
 type ServiceConfig struct {
 	logger   klog.Logger
 	synced   cache.InformerSynced
@@ -120,14 +123,8 @@ func (c *ServiceConfig) deliverDelete(service *v1.Service) {
 	}
 }
 
-// skipReason says why kube-proxy ignores a Service, or "" when it does not.
+// skipReason says why kproxy ignores a Service, or "" when it does not.
 func skipReason(service *v1.Service) string {
-	switch {
-	case service.Spec.Type == v1.ServiceTypeExternalName:
-		return "ExternalName"
-	case service.Spec.ClusterIP == v1.ClusterIPNone:
-		return "headless"
-	default:
-		return ""
-	}
+	_, reason := proxy.ShouldSkipService(service)
+	return reason
 }

@@ -255,8 +255,9 @@ func (e *Engine) OnServiceAdd(service *v1.Service) { e.OnServiceUpdate(nil, serv
 
 // OnServiceUpdate implements config.ServiceHandler.
 func (e *Engine) OnServiceUpdate(oldService, service *v1.Service) {
-	e.reportServiceProblems(oldService, service)
-	if e.serviceChanges.Update(oldService, service) {
+	pending, problems := e.serviceChanges.Update(oldService, service)
+	e.reportServiceProblems(service, problems)
+	if pending {
 		e.requestSync()
 	}
 }

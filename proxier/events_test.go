@@ -95,13 +95,33 @@ func TestEngineServiceEvents(t *testing.T) {
 			},
 		},
 		{
-			name: "invalid source range annotation and load balancer IP",
+			name: "invalid load balancer IP; the legacy source range annotation is ignored",
 			updates: []update{{nil, pt.Service("lb", "10.96.0.11", pt.LoadBalancer("198.51.100.300"),
 				pt.Annotation(v1.AnnotationLoadBalancerSourceRangesKey, "203.0.113.0/24, nonsense"))}},
 			want: []string{
 				`Warning InvalidServiceField status.loadBalancer.ingress: "198.51.100.300" is not an IP address; kproxy ignores it`,
-				`Warning InvalidServiceField annotation service.beta.kubernetes.io/load-balancer-source-ranges: "nonsense" is not a CIDR; kproxy ignores it`,
+				`Warning IgnoredAnnotation annotation service.beta.kubernetes.io/load-balancer-source-ranges is ignored: kproxy, like kube-proxy, restricts sources only by spec.loadBalancerSourceRanges`,
 			},
+		},
+		{
+			name: "legacy source range annotation next to the field: not reported",
+			updates: []update{{nil, pt.Service("lb", "10.96.0.11", pt.LoadBalancer("198.51.100.1"), pt.SourceRanges("203.0.113.0/24"),
+				pt.Annotation(v1.AnnotationLoadBalancerSourceRangesKey, "198.51.100.0/24"))}},
+		},
+		{
+			name:    "IPv6-only service on the IPv4 engine: reported all the same",
+			updates: []update{{nil, pt.Service("v6", "fd00::10", pt.IPv6(), withTopologyKeys(`["zone1"`))}},
+			want:    []string{badKeysEvent},
+		},
+		{
+			name:    "the same invalid value twice: once",
+			updates: []update{{nil, pt.Service("web", "10.96.0.10", pt.ExternalIPs("192.0.2.999", "192.0.2.999"))}},
+			want:    []string{`Warning InvalidServiceField spec.externalIPs: "192.0.2.999" is not an IP address; kproxy ignores it`},
+		},
+		{
+			name:    "resync after a sync: once",
+			updates: []update{{nil, badKeys}, {nil, nil}, {badKeys, badKeys}},
+			want:    []string{badKeysEvent},
 		},
 		{
 			name:    "LoadBalancer with externalTrafficPolicy Local and no health check port",
@@ -125,6 +145,8 @@ func TestEngineServiceEvents(t *testing.T) {
 			h := newSyncedHarness(t, func(o *proxier.EngineOptions) { o.EventRecorder = rec })
 			for _, u := range tc.updates {
 				switch {
+				case u.old == nil && u.cur == nil:
+					h.sync() // {nil, nil} stands for a sync between updates
 				case u.old == nil:
 					h.engine.OnServiceAdd(u.cur)
 				case u.cur == nil:
@@ -140,6 +162,36 @@ func TestEngineServiceEvents(t *testing.T) {
 				t.Errorf("events:\n%q\nwant\n%q", got, tc.want)
 			}
 		})
+	}
+}
+
+// TestDualStackServiceEventsOnce feeds a dual-stack pair of engines, only
+// the IPv4 one with a recorder (as kproxy sets them up), through a
+// MetaProxier: a problem is reported once, whatever the Service's families.
+func TestDualStackServiceEventsOnce(t *testing.T) {
+	rec := record.NewFakeRecorder(100)
+	v4 := newSyncedHarness(t, func(o *proxier.EngineOptions) { o.EventRecorder = rec })
+	v6 := newSyncedHarness(t, func(o *proxier.EngineOptions) { o.Family = v1.IPv6Protocol })
+	meta := proxier.NewMetaProxier(v4.engine, v6.engine)
+
+	dual := pt.Service("dual", "10.96.0.12", withTopologyKeys(`["zone1"`), func(s *v1.Service) {
+		s.Spec.ClusterIPs = []string{"10.96.0.12", "fd00::12"}
+		s.Spec.IPFamilies = []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol}
+	})
+	v6Only := pt.Service("v6", "fd00::13", pt.IPv6(), withTopologyKeys(`["zone1"`))
+	meta.OnServiceAdd(dual)
+	meta.OnServiceAdd(v6Only)
+	meta.OnServiceUpdate(dual, dual)
+	meta.OnServiceUpdate(v6Only, v6Only)
+	v4.sync()
+	v6.sync()
+
+	const event = `Warning InvalidTopologyKeys annotation topologyKeys must be a JSON list of node label keys: unexpected end of JSON input; the service is treated as having no topology keys`
+	if got, want := drain(rec), []string{event, event}; !slices.Equal(got, want) {
+		t.Errorf("events:\n%q\nwant one per service\n%q", got, want)
+	}
+	if got := len(v6.backend.last().Services); got != 2 {
+		t.Errorf("IPv6 engine programs %d service ports, want 2", got)
 	}
 }
 

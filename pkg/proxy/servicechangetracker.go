@@ -1,9 +1,9 @@
 package proxy
 
 import (
+	"slices"
 	"sync"
 
-	"github.com/go-logr/logr"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
@@ -21,8 +21,9 @@ type ServiceChangeTrackerOptions struct {
 // ServiceChangeTracker accumulates Service changes between syncs, keyed by
 // namespace/name. For each service it keeps the ServicePorts as last applied
 // (previous) and as now seen (current); a service whose changes cancel out
-// (added then deleted, or updated back) is dropped. It is safe for concurrent
-// use.
+// (added then deleted, or updated back) is dropped. Every Service goes
+// through ParseService once per update; the tracker hands the problems the
+// update brings back to its caller. It is safe for concurrent use.
 type ServiceChangeTracker struct {
 	family v1.IPFamily
 	logger klog.Logger
@@ -35,6 +36,9 @@ type ServiceChangeTracker struct {
 type serviceChange struct {
 	previous ServicePortMap
 	current  ServicePortMap
+	// currentProblems are the problems of the Service last given as
+	// current: the old object of the next update.
+	currentProblems []ServiceProblem
 }
 
 // UpdateServiceMapResult describes what an Apply changed.
@@ -61,34 +65,58 @@ func NewServiceChangeTracker(opts ServiceChangeTrackerOptions) *ServiceChangeTra
 
 // Update records a change from previous to current: a nil previous is an
 // add, a nil current a delete. It returns whether the tracker holds changes
-// to apply (from this or an earlier update).
-func (t *ServiceChangeTracker) Update(previous, current *v1.Service) bool {
+// to apply (from this or an earlier update), and the problems of current
+// that previous did not have, each once: what the change brings that kproxy
+// cannot honour. A problem both objects have (an informer resync, an
+// unrelated edit) is not returned again.
+func (t *ServiceChangeTracker) Update(previous, current *v1.Service) (pending bool, newProblems []ServiceProblem) {
 	svc := current
 	if svc == nil {
 		svc = previous
 	}
 	if svc == nil {
-		return t.hasPending()
+		return t.hasPending(), nil
 	}
 	nn := types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}
-	currentPorts := NewServicePortsFromService(current, t.family, t.logger)
+	currentPorts, currentProblems := ParseService(current, t.family)
 
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	change, ok := t.items[nn]
-	if !ok {
-		// previous was already logged about when it was current.
-		change = &serviceChange{previous: NewServicePortsFromService(previous, t.family, logr.Discard())}
+	var previousProblems []ServiceProblem
+	if ok {
+		// previous is the object the last update gave as current.
+		previousProblems = change.currentProblems
+	} else {
+		change = &serviceChange{}
+		change.previous, previousProblems = ParseService(previous, t.family)
 		t.items[nn] = change
 	}
 	change.current = currentPorts
+	change.currentProblems = currentProblems
 	if change.previous.equal(change.current) {
 		delete(t.items, nn)
 		t.logger.V(4).Info("Service change cancelled out", "service", nn)
 	} else {
 		t.logger.V(4).Info("Service change pending", "service", nn, "ports", len(change.current))
 	}
-	return len(t.items) > 0
+	newProblems = problemsNotIn(currentProblems, previousProblems)
+	for _, p := range newProblems {
+		t.logger.Error(nil, "Service has a problem kproxy works around", "service", nn, "reason", p.Reason, "problem", p.Message)
+	}
+	return len(t.items) > 0, newProblems
+}
+
+// problemsNotIn returns the problems of current that are not in previous,
+// without duplicates, in the order of current.
+func problemsNotIn(current, previous []ServiceProblem) []ServiceProblem {
+	var out []ServiceProblem
+	for _, p := range current {
+		if !slices.Contains(previous, p) && !slices.Contains(out, p) {
+			out = append(out, p)
+		}
+	}
+	return out
 }
 
 func (t *ServiceChangeTracker) hasPending() bool {

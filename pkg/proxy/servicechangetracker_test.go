@@ -243,7 +243,7 @@ func TestServiceChangeTracker(t *testing.T) {
 			tracker.Apply(m)
 
 			for i, s := range tc.steps {
-				if got := tracker.Update(s.previous, s.current); got != tc.wantReturn[i] {
+				if got, _ := tracker.Update(s.previous, s.current); got != tc.wantReturn[i] {
 					t.Errorf("step %d: Update returned %v, want %v", i, got, tc.wantReturn[i])
 				}
 			}
@@ -295,8 +295,108 @@ func TestServiceChangeTrackerMalformedServiceFields(t *testing.T) {
 	// An unrelated update (a label) keeps the same error and is no change.
 	relabelled := svc.DeepCopy()
 	relabelled.Labels = map[string]string{"team": "x"}
-	if tracker.Update(svc, relabelled) {
-		t.Errorf("label-only update of a service with a malformed annotation reported a change")
+	if pending, problems := tracker.Update(svc, relabelled); pending || problems != nil {
+		t.Errorf("label-only update of a service with a malformed annotation reported a change (%v) or problems %q", pending, problems)
+	}
+}
+
+func TestServiceChangeTrackerProblems(t *testing.T) {
+	withExternalIPs := func(name string, ips ...string) *v1.Service {
+		svc := sctService(name, "10.0.0.1", sctHTTP)
+		svc.Spec.ExternalIPs = ips
+		return svc
+	}
+	good := withExternalIPs("a", "192.0.2.1")
+	bad := withExternalIPs("a", "192.0.2.999")
+	badRelabelled := bad.DeepCopy()
+	badRelabelled.Labels = map[string]string{"team": "x"}
+	otherBad := withExternalIPs("a", "192.0.2.999", "192.0.2.888")
+	twiceBad := withExternalIPs("a", "192.0.2.999", "192.0.2.999")
+	badIPv6Only := sctService("a", "fd00::1", sctHTTP)
+	badIPv6Only.Spec.ExternalIPs = []string{"192.0.2.999"}
+	headlessBad := withExternalIPs("a", "192.0.2.999")
+	headlessBad.Spec.ClusterIP, headlessBad.Spec.ClusterIPs = v1.ClusterIPNone, []string{v1.ClusterIPNone}
+
+	p999 := invalidField(`spec.externalIPs: "192.0.2.999" is not an IP address; kproxy ignores it`)
+	p888 := invalidField(`spec.externalIPs: "192.0.2.888" is not an IP address; kproxy ignores it`)
+
+	type step struct {
+		previous, current *v1.Service
+		// apply folds the pending changes in before this step.
+		apply bool
+		want  []ServiceProblem
+	}
+	tests := []struct {
+		name  string
+		steps []step
+	}{
+		{name: "valid service", steps: []step{{current: good}}},
+		{name: "problem on add", steps: []step{{current: bad, want: []ServiceProblem{p999}}}},
+		{
+			name:  "resync after a sync: not again",
+			steps: []step{{current: bad, want: []ServiceProblem{p999}}, {previous: bad, current: bad, apply: true}},
+		},
+		{
+			name:  "resync before a sync: not again",
+			steps: []step{{current: bad, want: []ServiceProblem{p999}}, {previous: bad, current: bad}},
+		},
+		{
+			name: "unrelated change: not again",
+			steps: []step{
+				{current: bad, want: []ServiceProblem{p999}},
+				{previous: bad, current: badRelabelled, apply: true},
+				{previous: badRelabelled, current: badRelabelled},
+			},
+		},
+		{
+			name:  "a second problem: only the new one",
+			steps: []step{{current: bad, want: []ServiceProblem{p999}}, {previous: bad, current: otherBad, apply: true, want: []ServiceProblem{p888}}},
+		},
+		{
+			name: "fixed, then broken again, in one window",
+			steps: []step{
+				{current: bad, want: []ServiceProblem{p999}},
+				{previous: bad, current: good},
+				{previous: good, current: bad, want: []ServiceProblem{p999}},
+			},
+		},
+		{
+			name: "fixed, then broken again, across syncs",
+			steps: []step{
+				{current: bad, want: []ServiceProblem{p999}},
+				{previous: bad, current: good, apply: true},
+				{previous: good, current: bad, apply: true, want: []ServiceProblem{p999}},
+			},
+		},
+		{
+			name: "a change that cancels out still brings back the problem it had",
+			steps: []step{
+				{current: bad, want: []ServiceProblem{p999}},
+				{previous: bad, current: good, apply: true},
+				{previous: good, current: bad, want: []ServiceProblem{p999}},
+				{previous: bad, current: bad},
+			},
+		},
+		{name: "the same problem twice in one object: once", steps: []step{{current: twiceBad, want: []ServiceProblem{p999}}}},
+		{name: "delete", steps: []step{{current: bad, want: []ServiceProblem{p999}}, {previous: bad, apply: true}}},
+		{name: "delete never seen", steps: []step{{previous: bad}}},
+		{name: "service of the other family only: reported all the same", steps: []step{{current: badIPv6Only, want: []ServiceProblem{p999}}}},
+		{name: "headless service: nothing", steps: []step{{current: headlessBad}}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			logger, _ := ktesting.NewTestContext(t)
+			tracker := NewServiceChangeTracker(ServiceChangeTrackerOptions{Family: v1.IPv4Protocol, Logger: logger})
+			m := ServicePortMap{}
+			for i, s := range tc.steps {
+				if s.apply {
+					tracker.Apply(m)
+				}
+				if _, got := tracker.Update(s.previous, s.current); !slices.Equal(got, s.want) {
+					t.Errorf("step %d: new problems %q, want %q", i, got, s.want)
+				}
+			}
+		})
 	}
 }
 

@@ -1,42 +1,115 @@
 package proxy
 
 import (
+	"fmt"
 	"net/netip"
 	"slices"
 	"strings"
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/klog/v2"
 	netutils "k8s.io/utils/net"
 )
 
-// NewServicePortsFromService translates one Service into the ServicePorts of
-// one IP family, one per entry of spec.ports. It returns nil for services
-// kube-proxy does not handle (headless, ExternalName, no ClusterIP of the
-// family). Malformed optional fields (an external IP, a source range, the
-// topologyKeys annotation) are logged and dropped; they never affect another
-// service and never drop the service itself.
+// Reasons of the ServiceProblems ParseService reports; kproxy uses them as
+// the reasons of the Warning events it puts on Services.
+const (
+	// ServiceProblemInvalidTopologyKeys: the topologyKeys annotation is
+	// malformed; the service is treated as having no topology keys.
+	ServiceProblemInvalidTopologyKeys = "InvalidTopologyKeys"
+	// ServiceProblemInvalidServiceField: a field kproxy reads is malformed
+	// or missing; the bad value is skipped.
+	ServiceProblemInvalidServiceField = "InvalidServiceField"
+	// ServiceProblemIgnoredAnnotation: the Service relies on an annotation
+	// that kproxy, like kube-proxy, does not apply.
+	ServiceProblemIgnoredAnnotation = "IgnoredAnnotation"
+)
+
+// ServiceProblem is one thing in a Service that kproxy cannot honour and
+// works around. Problems are comparable: two parses of equal fields give
+// equal problems.
+type ServiceProblem struct {
+	// Reason is one of the ServiceProblem* constants.
+	Reason string
+	// Message says what is wrong and what kproxy does instead.
+	Message string
+}
+
+// ShouldSkipService reports whether kproxy programs nothing for svc, and
+// why: a nil Service, an ExternalName Service, a headless Service
+// (clusterIP "None") or one without any ClusterIP. Which Services this
+// proxy is responsible for at all (the service-proxy-name label) is decided
+// by the informer's label selector, not here.
+func ShouldSkipService(svc *v1.Service) (skip bool, reason string) {
+	if svc == nil {
+		return true, "nil"
+	}
+	if svc.Spec.Type == v1.ServiceTypeExternalName {
+		return true, "ExternalName"
+	}
+	primary := svc.Spec.ClusterIP
+	if primary == "" && len(svc.Spec.ClusterIPs) > 0 {
+		primary = svc.Spec.ClusterIPs[0]
+	}
+	switch primary {
+	case v1.ClusterIPNone:
+		return true, "headless"
+	case "":
+		return true, "no ClusterIP"
+	}
+	return false, ""
+}
+
+// ParseService translates one Service into the ServicePorts of one IP
+// family, one per entry of spec.ports, and lists the problems it found
+// on the way, in the order of the fields. It is the only place where kproxy
+// reads a Service.
+//
+// Services that ShouldSkipService skips give neither ports nor problems.
+// Otherwise the problems do not depend on family: a Service without a
+// ClusterIP of the family gives no ports but still its problems, so that
+// one IP family's tracker sees every problem. Malformed optional fields (an
+// external IP, a source range, the topologyKeys annotation) are dropped and
+// reported; they never affect another service and never drop the service
+// itself.
 //
 // The returned ServicePorts may share slices with each other; treat them as
 // read-only.
-func NewServicePortsFromService(svc *v1.Service, family v1.IPFamily, logger klog.Logger) ServicePortMap {
-	if svc == nil {
-		return nil
+func ParseService(svc *v1.Service, family v1.IPFamily) (ServicePortMap, []ServiceProblem) {
+	if skip, _ := ShouldSkipService(svc); skip {
+		return nil, nil
 	}
-	logger = logger.WithValues("service", klog.KObj(svc), "ipFamily", family)
-	if svc.Spec.Type == v1.ServiceTypeExternalName {
-		logger.V(5).Info("Skipping ExternalName service")
-		return nil
+	var p problems
+	clusterIP, hasClusterIP := clusterIPOfFamily(svc, family, &p)
+	externalIPs := externalIPsOfFamily(svc, family, &p)
+	var lbVIPs []netip.Addr
+	if svc.Spec.Type == v1.ServiceTypeLoadBalancer {
+		lbVIPs = loadBalancerVIPsOfFamily(svc, family, &p)
 	}
-	if svc.Spec.ClusterIP == v1.ClusterIPNone || (svc.Spec.ClusterIP == "" && len(svc.Spec.ClusterIPs) == 0) {
-		logger.V(5).Info("Skipping service without a ClusterIP")
-		return nil
+
+	healthCheckNodePort := 0
+	if svc.Spec.Type == v1.ServiceTypeLoadBalancer && svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal {
+		if svc.Spec.HealthCheckNodePort == 0 {
+			p.invalidField("spec.healthCheckNodePort is not set on a LoadBalancer service with externalTrafficPolicy Local; kproxy serves no health check for it")
+		} else {
+			healthCheckNodePort = int(svc.Spec.HealthCheckNodePort)
+		}
 	}
-	clusterIP, ok := clusterIPOfFamily(svc, family, logger)
-	if !ok {
-		logger.V(5).Info("Service has no ClusterIP of this family")
-		return nil
+
+	sourceRanges := sourceRangesOfFamily(svc, family, &p)
+
+	var topologyKeys []string
+	var topologyKeysErr error
+	if value, present := svc.Annotations[AnnotationTopologyKeys]; present {
+		topologyKeys, topologyKeysErr = ParseTopologyKeys(value)
+		if topologyKeysErr != nil {
+			topologyKeys = nil
+			p.add(ServiceProblemInvalidTopologyKeys, "%v; the service is treated as having no topology keys", topologyKeysErr)
+		}
+	}
+
+	if !hasClusterIP {
+		return nil, p.list
 	}
 
 	externallyAccessible := serviceExternallyAccessible(svc)
@@ -52,52 +125,26 @@ func NewServicePortsFromService(svc *v1.Service, family v1.IPFamily, logger klog
 		}
 	}
 
-	externalIPs := externalIPsOfFamily(svc, family, logger)
-	var lbVIPs []netip.Addr
-	if svc.Spec.Type == v1.ServiceTypeLoadBalancer {
-		lbVIPs = loadBalancerVIPsOfFamily(svc, family, logger)
-	}
-	sourceRanges := sourceRangesOfFamily(svc, family, logger)
-
-	healthCheckNodePort := 0
-	if svc.Spec.Type == v1.ServiceTypeLoadBalancer && svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal {
-		if svc.Spec.HealthCheckNodePort == 0 {
-			logger.Error(nil, "LoadBalancer service with externalTrafficPolicy Local has no healthCheckNodePort")
-		} else {
-			healthCheckNodePort = int(svc.Spec.HealthCheckNodePort)
-		}
-	}
-
 	trafficDistribution := ""
 	if svc.Spec.TrafficDistribution != nil {
 		trafficDistribution = *svc.Spec.TrafficDistribution
 	}
 
-	var topologyKeys []string
-	var topologyKeysErr error
-	if value, present := svc.Annotations[AnnotationTopologyKeys]; present {
-		topologyKeys, topologyKeysErr = ParseTopologyKeys(value)
-		if topologyKeysErr != nil {
-			topologyKeys = nil
-			logger.Error(topologyKeysErr, "Ignoring malformed topologyKeys annotation; the service is treated as having no topology keys", "value", value)
-		}
-	}
-
 	nn := types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}
 	ports := make(ServicePortMap, len(svc.Spec.Ports))
 	for i := range svc.Spec.Ports {
-		p := &svc.Spec.Ports[i]
-		protocol := p.Protocol
+		sp := &svc.Spec.Ports[i]
+		protocol := sp.Protocol
 		if protocol == "" {
 			protocol = v1.ProtocolTCP
 		}
-		name := ServicePortName{NamespacedName: nn, Port: p.Name, Protocol: protocol}
+		name := ServicePortName{NamespacedName: nn, Port: sp.Name, Protocol: protocol}
 		ports[name] = &ServicePort{
 			Name:                     name,
 			ClusterIP:                clusterIP,
-			Port:                     int(p.Port),
+			Port:                     int(sp.Port),
 			Protocol:                 protocol,
-			NodePort:                 int(p.NodePort),
+			NodePort:                 int(sp.NodePort),
 			ExternalIPs:              externalIPs,
 			LoadBalancerVIPs:         lbVIPs,
 			LoadBalancerSourceRanges: sourceRanges,
@@ -111,7 +158,20 @@ func NewServicePortsFromService(svc *v1.Service, family v1.IPFamily, logger klog
 			TopologyKeysError:        topologyKeysErr,
 		}
 	}
-	return ports
+	return ports, p.list
+}
+
+// problems collects the ServiceProblems of one parse.
+type problems struct {
+	list []ServiceProblem
+}
+
+func (p *problems) add(reason, format string, args ...any) {
+	p.list = append(p.list, ServiceProblem{Reason: reason, Message: fmt.Sprintf(format, args...)})
+}
+
+func (p *problems) invalidField(format string, args ...any) {
+	p.add(ServiceProblemInvalidServiceField, format, args...)
 }
 
 // serviceExternallyAccessible mirrors the API's notion: NodePort and
@@ -126,33 +186,35 @@ func serviceExternallyAccessible(svc *v1.Service) bool {
 
 // clusterIPOfFamily picks the service's ClusterIP of the given family from
 // spec.clusterIPs (spec.clusterIP when clusterIPs is empty, for old objects).
-func clusterIPOfFamily(svc *v1.Service, family v1.IPFamily, logger klog.Logger) (netip.Addr, bool) {
+// Every entry is checked, so that the problems do not depend on family.
+func clusterIPOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) (netip.Addr, bool) {
 	candidates := svc.Spec.ClusterIPs
 	if len(candidates) == 0 {
 		candidates = []string{svc.Spec.ClusterIP}
 	}
+	var found netip.Addr
 	for _, s := range candidates {
 		if s == "" || s == v1.ClusterIPNone {
 			continue
 		}
 		addr, ok := parseAddrSloppy(s)
 		if !ok {
-			logger.Error(nil, "Ignoring invalid ClusterIP", "clusterIP", s)
+			p.invalidField("spec.clusterIPs: %q is not an IP address; kproxy ignores it", s)
 			continue
 		}
-		if familyOfAddr(addr) == family {
-			return addr, true
+		if !found.IsValid() && familyOfAddr(addr) == family {
+			found = addr
 		}
 	}
-	return netip.Addr{}, false
+	return found, found.IsValid()
 }
 
-func externalIPsOfFamily(svc *v1.Service, family v1.IPFamily, logger klog.Logger) []netip.Addr {
+func externalIPsOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) []netip.Addr {
 	var out []netip.Addr
 	for _, s := range svc.Spec.ExternalIPs {
 		addr, ok := parseAddrSloppy(strings.TrimSpace(s))
 		if !ok {
-			logger.Error(nil, "Ignoring invalid external IP", "externalIP", s)
+			p.invalidField("spec.externalIPs: %q is not an IP address; kproxy ignores it", s)
 			continue
 		}
 		if familyOfAddr(addr) == family {
@@ -165,7 +227,7 @@ func externalIPsOfFamily(svc *v1.Service, family v1.IPFamily, logger klog.Logger
 // loadBalancerVIPsOfFamily returns the ingress IPs the node must accept
 // traffic for: ingress in ipMode Proxy is delivered by the load balancer to
 // the endpoints itself and is excluded.
-func loadBalancerVIPsOfFamily(svc *v1.Service, family v1.IPFamily, logger klog.Logger) []netip.Addr {
+func loadBalancerVIPsOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) []netip.Addr {
 	var out []netip.Addr
 	for _, ing := range svc.Status.LoadBalancer.Ingress {
 		if ing.IP == "" {
@@ -176,7 +238,7 @@ func loadBalancerVIPsOfFamily(svc *v1.Service, family v1.IPFamily, logger klog.L
 		}
 		addr, ok := parseAddrSloppy(strings.TrimSpace(ing.IP))
 		if !ok {
-			logger.Error(nil, "Ignoring invalid load balancer ingress IP", "ingressIP", ing.IP)
+			p.invalidField("status.loadBalancer.ingress: %q is not an IP address; kproxy ignores it", ing.IP)
 			continue
 		}
 		if familyOfAddr(addr) == family {
@@ -186,32 +248,45 @@ func loadBalancerVIPsOfFamily(svc *v1.Service, family v1.IPFamily, logger klog.L
 	return out
 }
 
-// sourceRangesOfFamily reads spec.loadBalancerSourceRanges, falling back to
-// the legacy annotation when the field is empty, as upstream does. Entries
-// are trimmed because validation historically allowed surrounding spaces.
-func sourceRangesOfFamily(svc *v1.Service, family v1.IPFamily, logger klog.Logger) []netip.Prefix {
-	raw := svc.Spec.LoadBalancerSourceRanges
-	source := "spec.loadBalancerSourceRanges"
-	if len(raw) == 0 {
-		if value := strings.TrimSpace(svc.Annotations[v1.AnnotationLoadBalancerSourceRangesKey]); value != "" {
-			raw = strings.Split(value, ",")
-			source = "annotation " + v1.AnnotationLoadBalancerSourceRangesKey
-		}
-	}
+// sourceRangesOfFamily reads spec.loadBalancerSourceRanges as kube-proxy
+// does: entries are trimmed (validation historically allowed surrounding
+// spaces), empty ones skipped, invalid ones skipped one by one (the others
+// still apply), and a zero-length prefix of the family ("0.0.0.0/0", "::/0")
+// means any source, which is the same as no range at all for that family.
+//
+// The legacy annotation service.beta.kubernetes.io/load-balancer-source-ranges
+// is not applied (kube-proxy ignores it too); on a LoadBalancer Service
+// whose field is empty it is reported, since the ranges it names are then
+// not enforced on the node.
+func sourceRangesOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) []netip.Prefix {
 	var out []netip.Prefix
-	for _, s := range raw {
+	anySource := false
+	for _, s := range svc.Spec.LoadBalancerSourceRanges {
 		s = strings.TrimSpace(s)
 		if s == "" {
 			continue
 		}
 		prefix, ok := parsePrefixSloppy(s)
 		if !ok {
-			logger.Error(nil, "Ignoring invalid load balancer source range", "sourceRange", s, "source", source)
+			p.invalidField("spec.loadBalancerSourceRanges: %q is not a CIDR; kproxy ignores it", s)
 			continue
 		}
-		if familyOfAddr(prefix.Addr()) == family {
-			out = append(out, prefix)
+		if familyOfAddr(prefix.Addr()) != family {
+			continue
 		}
+		if prefix.Bits() == 0 {
+			anySource = true
+		}
+		out = append(out, prefix)
+	}
+	if len(svc.Spec.LoadBalancerSourceRanges) == 0 && svc.Spec.Type == v1.ServiceTypeLoadBalancer &&
+		strings.TrimSpace(svc.Annotations[v1.AnnotationLoadBalancerSourceRangesKey]) != "" {
+		p.add(ServiceProblemIgnoredAnnotation,
+			"annotation %s is ignored: kproxy, like kube-proxy, restricts sources only by spec.loadBalancerSourceRanges",
+			v1.AnnotationLoadBalancerSourceRangesKey)
+	}
+	if anySource {
+		return nil
 	}
 	return out
 }

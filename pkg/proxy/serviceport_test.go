@@ -3,13 +3,13 @@ package proxy
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/klog/v2/ktesting"
 	"k8s.io/utils/ptr"
 )
 
@@ -75,7 +75,12 @@ func spTestIngress(ip string, mode *v1.LoadBalancerIPMode) v1.LoadBalancerIngres
 	return v1.LoadBalancerIngress{IP: ip, IPMode: mode}
 }
 
-func TestNewServicePortsFromService(t *testing.T) {
+// invalidField is the InvalidServiceField problem with message msg.
+func invalidField(msg string) ServiceProblem {
+	return ServiceProblem{Reason: ServiceProblemInvalidServiceField, Message: msg}
+}
+
+func TestParseService(t *testing.T) {
 	malformedKeys := `["zone1",`
 	_, malformedErr := ParseTopologyKeys(malformedKeys)
 	if malformedErr == nil {
@@ -88,10 +93,11 @@ func TestNewServicePortsFromService(t *testing.T) {
 	}
 
 	tests := []struct {
-		name   string
-		svc    *v1.Service
-		family v1.IPFamily
-		want   ServicePortMap
+		name         string
+		svc          *v1.Service
+		family       v1.IPFamily
+		want         ServicePortMap
+		wantProblems []ServiceProblem
 	}{
 		{
 			name:   "dual-stack service, IPv4 family",
@@ -166,8 +172,9 @@ func TestNewServicePortsFromService(t *testing.T) {
 				s.Spec.ClusterIP = "10.0.0.300"
 				s.Spec.ClusterIPs = []string{"10.0.0.300"}
 			}),
-			family: v1.IPv4Protocol,
-			want:   nil,
+			family:       v1.IPv4Protocol,
+			want:         nil,
+			wantProblems: []ServiceProblem{invalidField(`spec.clusterIPs: "10.0.0.300" is not an IP address; kproxy ignores it`)},
 		},
 		{
 			name: "every port, unnamed port and defaulted protocol",
@@ -203,6 +210,10 @@ func TestNewServicePortsFromService(t *testing.T) {
 			}),
 			family: v1.IPv4Protocol,
 			want:   spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.ExternalIPs = spTestAddrs("192.0.2.1", "192.0.2.2") })),
+			wantProblems: []ServiceProblem{
+				invalidField(`spec.externalIPs: "not-an-ip" is not an IP address; kproxy ignores it`),
+				invalidField(`spec.externalIPs: "192.0.2.300" is not an IP address; kproxy ignores it`),
+			},
 		},
 		{
 			name: "external IPs of the IPv6 family",
@@ -265,17 +276,76 @@ func TestNewServicePortsFromService(t *testing.T) {
 				p.NodePort = 30080
 				p.LoadBalancerSourceRanges = spTestPrefixes("192.0.2.0/24", "10.0.0.0/8")
 			})),
+			wantProblems: []ServiceProblem{invalidField(`spec.loadBalancerSourceRanges: "bogus" is not a CIDR; kproxy ignores it`)},
 		},
 		{
-			name: "source ranges from the annotation when the field is empty",
+			name: "legacy source ranges annotation is ignored and reported",
 			svc: spTestService(lb, func(s *v1.Service) {
 				s.Annotations = map[string]string{v1.AnnotationLoadBalancerSourceRangesKey: "203.0.113.0/24, 2001:db8::/48 ,nope,"}
 			}),
 			family: v1.IPv6Protocol,
+			want:   spTestMap(spTestPort("fd00::1", func(p *ServicePort) { p.NodePort = 30080 })),
+			wantProblems: []ServiceProblem{{
+				Reason:  ServiceProblemIgnoredAnnotation,
+				Message: "annotation service.beta.kubernetes.io/load-balancer-source-ranges is ignored: kproxy, like kube-proxy, restricts sources only by spec.loadBalancerSourceRanges",
+			}},
+		},
+		{
+			name: "legacy source ranges annotation on a non-LoadBalancer service is not reported",
+			svc: spTestService(func(s *v1.Service) {
+				s.Annotations = map[string]string{v1.AnnotationLoadBalancerSourceRangesKey: "203.0.113.0/24"}
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1")),
+		},
+		{
+			name: "only invalid source ranges: no range applies",
+			svc: spTestService(lb, func(s *v1.Service) {
+				s.Spec.LoadBalancerSourceRanges = []string{"192.0.2.0/33", "  "}
+			}),
+			family:       v1.IPv4Protocol,
+			want:         spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.NodePort = 30080 })),
+			wantProblems: []ServiceProblem{invalidField(`spec.loadBalancerSourceRanges: "192.0.2.0/33" is not a CIDR; kproxy ignores it`)},
+		},
+		{
+			name: "a zero-length source range allows every source of its family",
+			svc: spTestService(lb, func(s *v1.Service) {
+				s.Spec.LoadBalancerSourceRanges = []string{"192.0.2.0/24", "0.0.0.0/0", "2001:db8::/64"}
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.NodePort = 30080 })),
+		},
+		{
+			name: "a zero-length source range of the other family changes nothing",
+			svc: spTestService(lb, func(s *v1.Service) {
+				s.Spec.LoadBalancerSourceRanges = []string{"192.0.2.0/24", "0.0.0.0/0", "2001:db8::/64"}
+			}),
+			family: v1.IPv6Protocol,
 			want: spTestMap(spTestPort("fd00::1", func(p *ServicePort) {
 				p.NodePort = 30080
-				p.LoadBalancerSourceRanges = spTestPrefixes("2001:db8::/48")
+				p.LoadBalancerSourceRanges = spTestPrefixes("2001:db8::/64")
 			})),
+		},
+		{
+			name: "no ClusterIP of the family: no ports, but the problems",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIPs = []string{"10.0.0.1"}
+				s.Spec.IPFamilies = []v1.IPFamily{v1.IPv4Protocol}
+				s.Spec.ExternalIPs = []string{"2001:db8::zz"}
+			}),
+			family:       v1.IPv6Protocol,
+			want:         nil,
+			wantProblems: []ServiceProblem{invalidField(`spec.externalIPs: "2001:db8::zz" is not an IP address; kproxy ignores it`)},
+		},
+		{
+			name: "skipped services have no problems",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIP = v1.ClusterIPNone
+				s.Spec.ClusterIPs = []string{v1.ClusterIPNone}
+				s.Spec.ExternalIPs = []string{"bogus"}
+			}),
+			family: v1.IPv4Protocol,
+			want:   nil,
 		},
 		{
 			name: "session affinity ClientIP without timeout uses the default",
@@ -366,6 +436,7 @@ func TestNewServicePortsFromService(t *testing.T) {
 				p.NodePort = 30080
 				p.ExternalPolicyLocal = true
 			})),
+			wantProblems: []ServiceProblem{invalidField("spec.healthCheckNodePort is not set on a LoadBalancer service with externalTrafficPolicy Local; kproxy serves no health check for it")},
 		},
 		{
 			name: "internalTrafficPolicy Local",
@@ -406,8 +477,9 @@ func TestNewServicePortsFromService(t *testing.T) {
 			svc: spTestService(func(s *v1.Service) {
 				s.Annotations = map[string]string{AnnotationTopologyKeys: malformedKeys}
 			}),
-			family: v1.IPv4Protocol,
-			want:   spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.TopologyKeysError = malformedErr })),
+			family:       v1.IPv4Protocol,
+			want:         spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.TopologyKeysError = malformedErr })),
+			wantProblems: []ServiceProblem{{Reason: ServiceProblemInvalidTopologyKeys, Message: malformedErr.Error() + "; the service is treated as having no topology keys"}},
 		},
 		{
 			name: "empty topology keys annotation",
@@ -420,8 +492,7 @@ func TestNewServicePortsFromService(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			logger, _ := ktesting.NewTestContext(t)
-			got := NewServicePortsFromService(tc.svc, tc.family, logger)
+			got, problems := ParseService(tc.svc, tc.family)
 			if !got.equal(tc.want) {
 				t.Errorf("got\n%s\nwant\n%s", spTestDump(got), spTestDump(tc.want))
 			}
@@ -433,28 +504,85 @@ func TestNewServicePortsFromService(t *testing.T) {
 					t.Errorf("%s: TopologyKeys %v set together with TopologyKeysError", name, sp.TopologyKeys)
 				}
 			}
+			if !slices.Equal(problems, tc.wantProblems) {
+				t.Errorf("problems:\n%q\nwant\n%q", problems, tc.wantProblems)
+			}
+			// One family's tracker reports for both: the problems must not
+			// depend on the family.
+			other := v1.IPv4Protocol
+			if tc.family == v1.IPv4Protocol {
+				other = v1.IPv6Protocol
+			}
+			if _, otherProblems := ParseService(tc.svc, other); !slices.Equal(otherProblems, problems) {
+				t.Errorf("problems for %s:\n%q\ndiffer from those for %s:\n%q", other, otherProblems, tc.family, problems)
+			}
 		})
 	}
 }
 
-func TestNewServicePortsFromServiceLogsTopologyKeysErrorOnce(t *testing.T) {
-	logger := ktesting.NewLogger(t, ktesting.NewConfig(ktesting.BufferLogs(true)))
+func TestParseServiceReportsTopologyKeysOnce(t *testing.T) {
 	svc := spTestService(func(s *v1.Service) {
 		s.Spec.Ports = append(s.Spec.Ports, v1.ServicePort{Name: "https", Port: 443, Protocol: v1.ProtocolTCP})
 		s.Annotations = map[string]string{AnnotationTopologyKeys: `"zone1"`}
 	})
-	got := NewServicePortsFromService(svc, v1.IPv4Protocol, logger)
-	if len(got) != 2 {
-		t.Fatalf("got %d ports, want 2", len(got))
+	ports, problems := ParseService(svc, v1.IPv4Protocol)
+	if len(ports) != 2 {
+		t.Fatalf("got %d ports, want 2", len(ports))
 	}
-	errors := 0
-	for _, entry := range logger.GetSink().(ktesting.Underlier).GetBuffer().Data() {
-		if entry.Type == ktesting.LogError && strings.Contains(entry.Message, "topologyKeys") {
-			errors++
-		}
+	if len(problems) != 1 || problems[0].Reason != ServiceProblemInvalidTopologyKeys {
+		t.Errorf("problems of a two-port service with a malformed topologyKeys annotation = %q, want one %s", problems, ServiceProblemInvalidTopologyKeys)
 	}
-	if errors != 1 {
-		t.Errorf("logged the malformed topologyKeys annotation %d times for a two-port service, want once", errors)
+}
+
+func TestShouldSkipService(t *testing.T) {
+	tests := []struct {
+		name       string
+		svc        *v1.Service
+		wantSkip   bool
+		wantReason string
+	}{
+		{name: "nil", svc: nil, wantSkip: true, wantReason: "nil"},
+		{name: "ClusterIP service", svc: spTestService()},
+		{name: "NodePort service", svc: spTestService(func(s *v1.Service) { s.Spec.Type = v1.ServiceTypeNodePort })},
+		{
+			name:     "ExternalName service, even with a ClusterIP",
+			svc:      spTestService(func(s *v1.Service) { s.Spec.Type = v1.ServiceTypeExternalName }),
+			wantSkip: true, wantReason: "ExternalName",
+		},
+		{
+			name: "headless service",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIP = v1.ClusterIPNone
+				s.Spec.ClusterIPs = []string{v1.ClusterIPNone}
+			}),
+			wantSkip: true, wantReason: "headless",
+		},
+		{
+			name:     "headless service known by clusterIPs only",
+			svc:      spTestService(func(s *v1.Service) { s.Spec.ClusterIP = ""; s.Spec.ClusterIPs = []string{v1.ClusterIPNone} }),
+			wantSkip: true, wantReason: "headless",
+		},
+		{
+			name:     "no ClusterIP at all",
+			svc:      spTestService(func(s *v1.Service) { s.Spec.ClusterIP = ""; s.Spec.ClusterIPs = nil }),
+			wantSkip: true, wantReason: "no ClusterIP",
+		},
+		{
+			name: "ClusterIP known by clusterIPs only",
+			svc:  spTestService(func(s *v1.Service) { s.Spec.ClusterIP = "" }),
+		},
+		{
+			name: "invalid ClusterIP is handled (and reported by ParseService)",
+			svc:  spTestService(func(s *v1.Service) { s.Spec.ClusterIP = "bogus"; s.Spec.ClusterIPs = []string{"bogus"} }),
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			skip, reason := ShouldSkipService(tc.svc)
+			if skip != tc.wantSkip || reason != tc.wantReason {
+				t.Errorf("ShouldSkipService = (%v, %q), want (%v, %q)", skip, reason, tc.wantSkip, tc.wantReason)
+			}
+		})
 	}
 }
 

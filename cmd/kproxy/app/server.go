@@ -269,23 +269,23 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		p = proxier.NewMetaProxier(engines[v1.IPv4Protocol], v6)
 	}
 
-	svcFactory, nodeFactory, err := config.NewInformerFactories(config.InformerOptions{
+	factories, err := config.NewInformerFactories(config.InformerOptions{
 		Client: client, ResyncPeriod: o.ConfigSyncPeriod, ServiceProxyName: o.ServiceProxyName,
 	})
 	if err != nil {
 		return err
 	}
-	svcCfg, err := config.NewServiceConfig(ctx, svcFactory.Core().V1().Services(), o.ConfigSyncPeriod)
+	svcCfg, err := config.NewServiceConfig(ctx, factories.Services.Core().V1().Services(), o.ConfigSyncPeriod)
 	if err != nil {
 		return err
 	}
 	svcCfg.RegisterEventHandler(p)
-	epCfg, err := config.NewEndpointSliceConfig(ctx, svcFactory.Discovery().V1().EndpointSlices(), o.ConfigSyncPeriod)
+	epCfg, err := config.NewEndpointSliceConfig(ctx, factories.EndpointSlices.Discovery().V1().EndpointSlices(), o.ConfigSyncPeriod)
 	if err != nil {
 		return err
 	}
 	epCfg.RegisterEventHandler(p)
-	nodeCfg, err := config.NewNodeConfig(ctx, nodeFactory.Core().V1().Nodes(), o.ConfigSyncPeriod)
+	nodeCfg, err := config.NewNodeConfig(ctx, factories.Nodes.Core().V1().Nodes(), o.ConfigSyncPeriod)
 	if err != nil {
 		return err
 	}
@@ -294,8 +294,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	nodeCfg.RegisterEventHandler(health)
 
 	logger.Info("Starting kproxy", "version", Version, "node", name, "mode", mode, "families", len(engines))
-	svcFactory.Start(ctx.Done())
-	nodeFactory.Start(ctx.Done())
+	factories.Start(ctx.Done())
 	go svcCfg.Run(ctx)
 	go epCfg.Run(ctx)
 	go nodeCfg.Run(ctx)
@@ -315,8 +314,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	}
 	p.SyncLoop(ctx)
 	servers.Wait()
-	svcFactory.Shutdown()
-	nodeFactory.Shutdown()
+	factories.Shutdown()
 	logger.Info("kproxy stopped; rules stay in place until the next kproxy or --cleanup")
 	return nil
 }
