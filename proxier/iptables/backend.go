@@ -4,16 +4,13 @@
 package iptables
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"net/netip"
 	"sort"
-	"strings"
 	"time"
 
-	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
@@ -21,6 +18,7 @@ import (
 	"github.com/kproxy/kproxy/pkg/netlink"
 	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
+	"github.com/kproxy/kproxy/proxier/cleanup"
 )
 
 // Options configures a Backend. IPTables is required; the rest have
@@ -48,16 +46,10 @@ type Options struct {
 
 // SyncStats describes the last successful sync, for logs, metrics and tests.
 type SyncStats struct {
-	Full          bool
-	Restores      int
-	ChainsWritten int
-	ChainsDeleted int
-	RulesWritten  int
-	Bytes         int
-	// RulesWrittenByTable splits RulesWritten by table.
-	RulesWrittenByTable map[ipt.Table]int
-	// RestoreTime is the time spent in iptables-restore.
-	RestoreTime time.Duration
+	Full bool
+	// WriteStats is what the sync wrote: restores, chains, rules, bytes
+	// and the time spent in iptables-restore.
+	ipt.WriteStats
 	// NATRules and FilterRules count every rule kproxy owns after the sync.
 	NATRules    int
 	FilterRules int
@@ -73,9 +65,8 @@ type Backend struct {
 
 	// services is what was last applied, per service port.
 	services map[proxy.ServicePortName]*renderedService
-	// global is the last applied content of shared chains (dispatch trees,
-	// POSTROUTING, firewall...), per table.
-	global map[ipt.Table]map[string]string
+	// writer writes the chains and remembers what it last wrote.
+	writer *ipt.Writer
 	// initialized is true once a full sync succeeded; false forces the next
 	// sync to be full.
 	initialized   bool
@@ -110,14 +101,23 @@ func New(opts Options) (*Backend, error) {
 	if opts.LocalAddresses == nil {
 		opts.LocalAddresses = netlink.HostAddresses
 	}
+	writer, err := ipt.NewWriter(ipt.WriterOptions{
+		IPTables: opts.IPTables,
+		// Base chains are never deleted by a sync (only by Cleanup).
+		Owned:       func(table ipt.Table, chain string) bool { return isOwnedChain(chain) && !isBaseChain(table, chain) },
+		BatchChains: opts.BatchChains,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("iptables backend: %w", err)
+	}
 	return &Backend{
+		writer:   writer,
 		ipt:      opts.IPTables,
 		ipv6:     opts.IPTables.Protocol() == ipt.ProtocolIPv6,
 		opts:     opts,
 		masqMark: fmt.Sprintf("%#x", uint32(1)<<bit),
 		clock:    opts.Clock,
 		services: map[proxy.ServicePortName]*renderedService{},
-		global:   map[ipt.Table]map[string]string{},
 	}, nil
 }
 
@@ -147,31 +147,25 @@ func (b *Backend) localAddrs() ([]netip.Addr, error) {
 	return out, nil
 }
 
-// jumpRule is a rule in a built-in chain that leads into ours.
-type jumpRule struct {
-	table ipt.Table
-	chain ipt.Chain
-	args  []string
-}
-
-func newOnly(args ...string) []string {
-	return append([]string{"-m", "conntrack", "--ctstate", "NEW"}, args...)
+// newConnJump is a hook that only new connections take.
+func newConnJump(table ipt.Table, chain ipt.Chain, comment, target string) ipt.JumpRule {
+	return ipt.Jump(table, chain, comment, target, "-m", "conntrack", "--ctstate", "NEW")
 }
 
 // jumpRules lists kproxy's hooks, in the order they should appear.
-var jumpRules = []jumpRule{
-	{ipt.TableNAT, ipt.ChainPrerouting, []string{"-m", "comment", "--comment", "kproxy service portals", "-j", chainServices}},
-	{ipt.TableNAT, ipt.ChainOutput, []string{"-m", "comment", "--comment", "kproxy service portals", "-j", chainServices}},
-	{ipt.TableNAT, ipt.ChainPostrouting, []string{"-m", "comment", "--comment", "kproxy postrouting rules", "-j", chainPostrouting}},
-	{ipt.TableFilter, ipt.ChainInput, newOnly("-m", "comment", "--comment", "kproxy load balancer firewall", "-j", chainFirewall)},
-	{ipt.TableFilter, ipt.ChainInput, []string{"-m", "comment", "--comment", "kproxy health check service ports", "-j", chainNodePorts}},
-	{ipt.TableFilter, ipt.ChainInput, newOnly("-m", "comment", "--comment", "kproxy externally-visible service portals", "-j", chainExternalServices)},
-	{ipt.TableFilter, ipt.ChainForward, newOnly("-m", "comment", "--comment", "kproxy load balancer firewall", "-j", chainFirewall)},
-	{ipt.TableFilter, ipt.ChainForward, []string{"-m", "comment", "--comment", "kproxy forwarding rules", "-j", chainForward}},
-	{ipt.TableFilter, ipt.ChainForward, newOnly("-m", "comment", "--comment", "kproxy service portals", "-j", chainServices)},
-	{ipt.TableFilter, ipt.ChainForward, newOnly("-m", "comment", "--comment", "kproxy externally-visible service portals", "-j", chainExternalServices)},
-	{ipt.TableFilter, ipt.ChainOutput, newOnly("-m", "comment", "--comment", "kproxy load balancer firewall", "-j", chainFirewall)},
-	{ipt.TableFilter, ipt.ChainOutput, newOnly("-m", "comment", "--comment", "kproxy service portals", "-j", chainServices)},
+var jumpRules = []ipt.JumpRule{
+	ipt.Jump(ipt.TableNAT, ipt.ChainPrerouting, "kproxy service portals", chainServices),
+	ipt.Jump(ipt.TableNAT, ipt.ChainOutput, "kproxy service portals", chainServices),
+	ipt.Jump(ipt.TableNAT, ipt.ChainPostrouting, "kproxy postrouting rules", chainPostrouting),
+	newConnJump(ipt.TableFilter, ipt.ChainInput, "kproxy load balancer firewall", chainFirewall),
+	ipt.Jump(ipt.TableFilter, ipt.ChainInput, "kproxy health check service ports", chainNodePorts),
+	newConnJump(ipt.TableFilter, ipt.ChainInput, "kproxy externally-visible service portals", chainExternalServices),
+	newConnJump(ipt.TableFilter, ipt.ChainForward, "kproxy load balancer firewall", chainFirewall),
+	ipt.Jump(ipt.TableFilter, ipt.ChainForward, "kproxy forwarding rules", chainForward),
+	newConnJump(ipt.TableFilter, ipt.ChainForward, "kproxy service portals", chainServices),
+	newConnJump(ipt.TableFilter, ipt.ChainForward, "kproxy externally-visible service portals", chainExternalServices),
+	newConnJump(ipt.TableFilter, ipt.ChainOutput, "kproxy load balancer firewall", chainFirewall),
+	newConnJump(ipt.TableFilter, ipt.ChainOutput, "kproxy service portals", chainServices),
 }
 
 // baseChains exist before any rule refers to them and are never deleted by
@@ -181,8 +175,7 @@ var baseChains = map[ipt.Table][]string{
 	ipt.TableFilter: {chainServices, chainExternalServices, chainExternalNodePort, chainNodePorts, chainFirewall, chainForward, chainCanary},
 }
 
-// ensureHooks creates the base chains and the jumps into them. Jumps are
-// prepended in reverse so that, when first created, they appear in order.
+// ensureHooks creates the base chains and the jumps into them.
 func (b *Backend) ensureHooks(ctx context.Context) error {
 	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
 		for _, c := range baseChains[table] {
@@ -191,13 +184,7 @@ func (b *Backend) ensureHooks(ctx context.Context) error {
 			}
 		}
 	}
-	for i := len(jumpRules) - 1; i >= 0; i-- {
-		j := jumpRules[i]
-		if _, err := b.ipt.EnsureRule(ctx, ipt.Prepend, j.table, j.chain, j.args...); err != nil {
-			return fmt.Errorf("ensuring jump from %s/%s: %w", j.table, j.chain, err)
-		}
-	}
-	return nil
+	return ipt.EnsureJumpRules(ctx, b.ipt, jumpRules)
 }
 
 // canaryIntact reports whether our canary chains still exist.
@@ -253,23 +240,17 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, full bool) e
 	}
 	r := &renderer{ipv6: b.ipv6, clusterCIDR: state.Options.ClusterCIDR}
 
-	// Render the services this sync concerns.
+	// Render the services this sync concerns; the others keep what was
+	// rendered before.
 	next := make(map[proxy.ServicePortName]*renderedService, len(state.Services))
-	var touched []proxy.ServicePortName
 	if full {
 		for name, st := range state.Services {
 			next[name] = r.render(st)
 		}
 	} else {
 		for name, rs := range b.services {
-			next[name] = rs
-		}
-		for name := range b.services {
-			if state.Changed.Has(name.NamespacedName) {
-				if _, ok := state.Services[name]; !ok {
-					delete(next, name)
-					touched = append(touched, name)
-				}
+			if _, ok := state.Services[name]; ok || !state.Changed.Has(name.NamespacedName) {
+				next[name] = rs
 			}
 		}
 		for name, st := range state.Services {
@@ -277,103 +258,36 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, full bool) e
 				continue
 			}
 			next[name] = r.render(st)
-			touched = append(touched, name)
 		}
 	}
 
-	global := b.renderGlobal(next, addrs)
-	plan := newRestorePlan()
 	if full {
 		if err := b.ensureHooks(ctx); err != nil {
 			return err
 		}
-		desired := map[ipt.Table]sets.Set[string]{ipt.TableNAT: sets.New[string](), ipt.TableFilter: sets.New[string]()}
-		for _, name := range sortedNames(next) {
-			var group []plannedChain
-			for _, chain := range sortedChainNames(next[name].natChains) {
-				group = append(group, plannedChain{chain, next[name].natChains[chain]})
-				desired[ipt.TableNAT].Insert(chain)
-			}
-			plan.serviceChains(group)
-		}
-		for table, chains := range global {
-			for chain, rules := range chains {
-				plan.globalChain(table, chain, rules)
-				desired[table].Insert(chain)
-			}
-		}
-		for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
-			existing, err := b.ipt.ListChains(ctx, table)
-			if err != nil {
-				return fmt.Errorf("listing %s chains: %w", table, err)
-			}
-			for _, chain := range existing {
-				if isOwnedChain(chain) && !desired[table].Has(chain) && !isBaseChain(table, chain) {
-					plan.deleteChain(table, chain)
-				}
-			}
-		}
-	} else {
-		for _, name := range touched {
-			old, newer := b.services[name], next[name]
-			if newer != nil {
-				var group []plannedChain
-				for _, chain := range sortedChainNames(newer.natChains) {
-					prev, existed := []string(nil), false
-					if old != nil {
-						prev, existed = old.natChains[chain]
-					}
-					if !existed || !equalRules(prev, newer.natChains[chain]) {
-						group = append(group, plannedChain{chain, newer.natChains[chain]})
-					}
-				}
-				plan.serviceChains(group)
-			}
-			if old != nil {
-				for chain := range old.natChains {
-					if _, kept := newer.natChainsLookup(chain); !kept {
-						plan.deleteChain(ipt.TableNAT, chain)
-					}
-				}
-			}
-		}
-		for table, chains := range global {
-			for chain, rules := range chains {
-				if prev, ok := b.global[table][chain]; !ok || prev != strings.Join(rules, "\n") {
-					plan.globalChain(table, chain, rules)
-				}
-			}
-			for chain := range b.global[table] {
-				if _, ok := chains[chain]; !ok && !isBaseChain(table, chain) {
-					plan.deleteChain(table, chain)
-				}
-			}
-		}
 	}
-
-	stats, err := plan.apply(ctx, b.ipt, b.opts.BatchChains)
+	// Each service port's chains are one group (they jump to each other);
+	// the writer leaves out what did not change since its last write.
+	names := sortedNames(next)
+	rules := ipt.NewRuleSet()
+	for _, name := range names {
+		chains := next[name].natChains
+		group := make([]ipt.ChainRules, 0, len(chains))
+		for _, chain := range sortedChainNames(chains) {
+			group = append(group, ipt.ChainRules{Name: chain, Rules: chains[chain]})
+		}
+		rules.AddGroup(ipt.TableNAT, group...)
+	}
+	rules.Shared = b.renderGlobal(names, next, addrs)
+	written, err := b.writer.Write(ctx, rules, full)
 	if err != nil {
 		return err
 	}
 	b.services = next
-	b.global = map[ipt.Table]map[string]string{}
-	for table, chains := range global {
-		b.global[table] = make(map[string]string, len(chains))
-		for chain, rules := range chains {
-			b.global[table][chain] = strings.Join(rules, "\n")
-			if table == ipt.TableNAT {
-				stats.NATRules += len(rules)
-			} else {
-				stats.FilterRules += len(rules)
-			}
-		}
+	stats := SyncStats{
+		Full: full, WriteStats: written,
+		NATRules: rules.RuleCount(ipt.TableNAT), FilterRules: rules.RuleCount(ipt.TableFilter),
 	}
-	for _, rs := range next {
-		for _, rules := range rs.natChains {
-			stats.NATRules += len(rules)
-		}
-	}
-	stats.Full = full
 	b.last = stats
 	logger.V(2).Info("Synced iptables rules", "family", state.Family, "full", full, "services", len(next),
 		"restores", stats.Restores, "chainsWritten", stats.ChainsWritten, "chainsDeleted", stats.ChainsDeleted,
@@ -388,18 +302,6 @@ func isBaseChain(table ipt.Table, chain string) bool {
 		}
 	}
 	return false
-}
-
-func equalRules(a, b []string) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 func sortedNames(m map[proxy.ServicePortName]*renderedService) []proxy.ServicePortName {
@@ -434,9 +336,8 @@ func sortedChainNames(m map[string][]string) []string {
 }
 
 // renderGlobal renders the chains shared by all services from the rendered
-// services.
-func (b *Backend) renderGlobal(services map[proxy.ServicePortName]*renderedService, addrs []netip.Addr) map[ipt.Table]map[string][]string {
-	names := sortedNames(services)
+// services, in names order.
+func (b *Backend) renderGlobal(names []proxy.ServicePortName, services map[proxy.ServicePortName]*renderedService, addrs []netip.Addr) map[ipt.Table]map[string][]string {
 	var natSvc, natNP, filSvc, filExt []dispatchRule
 	var extNP, firewall, health []string
 	hairpin := map[netip.Addr]bool{}
@@ -533,47 +434,14 @@ func (b *Backend) renderGlobal(services map[proxy.ServicePortName]*renderedServi
 	return map[ipt.Table]map[string][]string{ipt.TableNAT: nat, ipt.TableFilter: filter}
 }
 
-// Cleanup implements proxier.Backend: it removes kproxy's jumps from the
-// built-in chains, then every chain whose name starts with KPROXY-, in nat
-// and filter. Chains and rules of anyone else stay. Running it again
-// changes nothing.
+// Cleanup implements proxier.Backend with cleanup.Cleanup over iptables
+// alone: every chain of kproxy's (KPROXY-, of either mode) in nat and
+// filter, with the rules of other chains that jump to them. Chains and
+// rules of anyone else stay. Running it again changes nothing.
 func (b *Backend) Cleanup(ctx context.Context) error {
-	var errs []error
-	for _, j := range jumpRules {
-		if err := b.ipt.DeleteRule(ctx, j.table, j.chain, j.args...); err != nil {
-			errs = append(errs, fmt.Errorf("deleting jump from %s/%s: %w", j.table, j.chain, err))
-		}
-	}
-	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
-		chains, err := b.ipt.ListChains(ctx, table)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("listing %s chains: %w", table, err))
-			continue
-		}
-		var owned []string
-		for _, c := range chains {
-			if isOwnedChain(c) {
-				owned = append(owned, c)
-			}
-		}
-		if len(owned) == 0 {
-			continue
-		}
-		var buf bytes.Buffer
-		fmt.Fprintf(&buf, "*%s\n", table)
-		for _, c := range owned {
-			fmt.Fprintf(&buf, ":%s - [0:0]\n", c)
-		}
-		for _, c := range owned {
-			fmt.Fprintf(&buf, "-X %s\n", c)
-		}
-		buf.WriteString("COMMIT\n")
-		if err := b.ipt.Restore(ctx, buf.Bytes()); err != nil {
-			errs = append(errs, fmt.Errorf("deleting %d %s chains: %w", len(owned), table, err))
-		}
-	}
+	err := cleanup.Cleanup(ctx, cleanup.Options{IPTables: b.ipt})
 	b.initialized = false
 	b.services = map[proxy.ServicePortName]*renderedService{}
-	b.global = map[ipt.Table]map[string]string{}
-	return errors.Join(errs...)
+	b.writer.Forget()
+	return err
 }

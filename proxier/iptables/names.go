@@ -6,11 +6,11 @@ import (
 	"strings"
 
 	"github.com/kproxy/kproxy/pkg/proxy"
+	"github.com/kproxy/kproxy/proxier/cleanup"
 )
 
-// Every chain kproxy owns starts with chainPrefix, never KUBE-, so kproxy
-// coexists with kube-proxy and cleans up independently of it.
-const chainPrefix = "KPROXY-"
+// Every chain kproxy owns starts with chainPrefix (see package cleanup).
+const chainPrefix = cleanup.ChainPrefix
 
 // Chains shared by all services.
 const (
@@ -51,5 +51,5 @@ func recentName(name proxy.ServicePortName, ep *proxy.Endpoint) string {
 	return "KPROXY-AFF-" + base32.StdEncoding.EncodeToString(sum[:])[:16]
 }
 
-// isOwnedChain reports whether chain is one kproxy creates.
-func isOwnedChain(chain string) bool { return strings.HasPrefix(chain, chainPrefix) }
+// isOwnedChain reports whether chain is one kproxy creates, in either mode.
+func isOwnedChain(chain string) bool { return cleanup.IsChain(chain) }

@@ -14,7 +14,7 @@
 //
 // kproxy touches only what it created:
 //   - the dummy device (DefaultDummyDevice) and the addresses on it;
-//   - the ipsets named in SetNames;
+//   - the ipsets named in cleanup.IPVSSetNames;
 //   - iptables chains starting with ChainPrefix and the jumps to them;
 //   - IPVS virtual servers that are its own: a virtual server is kproxy's
 //     when this backend created (or adopted, being one a Service wants) it,
@@ -70,6 +70,7 @@ import (
 	"github.com/kproxy/kproxy/pkg/netlink"
 	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
+	"github.com/kproxy/kproxy/proxier/cleanup"
 )
 
 // DefaultGracefulTerminationTimeout bounds how long a removed TCP or SCTP
@@ -157,9 +158,10 @@ type Backend struct {
 	// from kproxy.
 	applied     map[vsKey]ipvs.Service
 	terminating map[vsKey]*termVS
-	rules       map[ipt.Table]map[string]string
-	ruleCounts  map[string]int
-	shortcut    []string
+	// writer writes IPVS mode's chains and remembers them.
+	writer     *ipt.Writer
+	ruleCounts map[string]int
+	shortcut   []string
 	// nodePortAddrs and localAddrs as of the last sync.
 	nodePortAddrs, localAddrs []netip.Addr
 	// decisionOpts are the node-wide options of the last state synced.
@@ -220,7 +222,15 @@ func New(opts Options) (*Backend, error) {
 	if opts.Clock == nil {
 		opts.Clock = clock.RealClock{}
 	}
+	writer, err := ipt.NewWriter(ipt.WriterOptions{
+		IPTables: opts.IPTables,
+		Owned:    func(_ ipt.Table, chain string) bool { return cleanup.IsIPVSChain(chain) },
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ipvs backend: %w", err)
+	}
 	b := &Backend{
+		writer:   writer,
 		opts:     opts,
 		ipvs:     opts.IPVS,
 		nl:       opts.Netlink,
@@ -251,7 +261,7 @@ func (b *Backend) reset() {
 	if b.terminating == nil {
 		b.terminating = map[vsKey]*termVS{}
 	}
-	b.rules = nil
+	b.writer.Forget()
 	b.shortcut = nil
 }
 
@@ -411,8 +421,8 @@ func (b *Backend) prepare(ctx context.Context) error {
 	if _, err := b.nl.EnsureDummyDevice(ctx, b.device); err != nil {
 		return fmt.Errorf("ensuring dummy device: %w", err)
 	}
-	for _, d := range setDefs {
-		if err := b.ipset.EnsureSet(ctx, ipset.Set{Name: setName(d.base, b.ipv6), Type: d.typ, IPv6: b.ipv6, Comment: d.comment}); err != nil {
+	for _, d := range cleanup.IPVSSets() {
+		if err := b.ipset.EnsureSet(ctx, ipset.Set{Name: setName(d.Name, b.ipv6), Type: d.Type, IPv6: b.ipv6, Comment: d.Comment}); err != nil {
 			return fmt.Errorf("ensuring ipset: %w", err)
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/kproxy/kproxy/pkg/ipset"
 	"github.com/kproxy/kproxy/pkg/ipvs"
 	"github.com/kproxy/kproxy/pkg/netlink"
+	"github.com/kproxy/kproxy/proxier/cleanup"
 )
 
 // kernelServices lists this family's virtual servers.
@@ -48,35 +49,18 @@ func (b *Backend) boundAddresses(ctx context.Context) (map[netip.Addr]bool, erro
 	return out, nil
 }
 
-// recordSets are the sets whose (address, protocol:port) entries name
-// virtual servers: together they record every virtual server kproxy made.
-var recordSets = []string{setClusterIP, setExternalIP, setLoadBalancer, setNodePort}
-
-// recordedVS reads the virtual servers kproxy last recorded in its sets:
-// they are kproxy's. A sync adds a virtual server's entry before creating
-// it and removes the entry after deleting it, so the record covers every
-// virtual server kproxy ever left behind.
+// recordedVS reads the virtual servers kproxy last recorded in its sets
+// (cleanup.RecordedVirtualServers): they are kproxy's.
 func recordedVS(ctx context.Context, sets ipset.Interface, ipv6 bool) (map[vsKey]bool, error) {
-	out := map[vsKey]bool{}
-	for _, base := range recordSets {
-		entries, err := sets.Entries(ctx, setName(base, ipv6))
-		if errors.Is(err, ipset.ErrNotExist) {
-			continue
-		}
-		if err != nil {
-			return nil, fmt.Errorf("reading set %s: %w", setName(base, ipv6), err)
-		}
-		for _, e := range entries {
-			if p, ok := setProtocols[e.Protocol]; ok {
-				out[vsKey{e.IP, p, e.Port}] = true
-			}
-		}
+	recorded, err := cleanup.RecordedVirtualServers(ctx, sets, ipv6)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[vsKey]bool, len(recorded))
+	for v := range recorded {
+		out[vsKey{v.Address, v.Protocol, v.Port}] = true
 	}
 	return out, nil
-}
-
-var setProtocols = map[string]ipvs.Protocol{
-	ipset.ProtocolTCP: ipvs.ProtocolTCP, ipset.ProtocolUDP: ipvs.ProtocolUDP, ipset.ProtocolSCTP: ipvs.ProtocolSCTP,
 }
 
 // ensureVS makes the kernel's virtual server match v: created when have is
@@ -296,7 +280,7 @@ func (b *Backend) setChanges(ctx context.Context) (added, removed []setEntry, er
 		}
 		want[e.set][e.entry] = true
 	}
-	for _, name := range SetNames(b.ipv6) {
+	for _, name := range cleanup.IPVSSetNames(b.ipv6) {
 		have, err := b.ipset.Entries(ctx, name)
 		if err != nil {
 			errs = append(errs, err)

@@ -1,59 +1,37 @@
 package ipvs
 
 import (
-	"bytes"
 	"context"
-	"fmt"
-	"slices"
-	"strings"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
-// jumpRule is a rule in a built-in chain that leads into IPVS mode's chains.
-type jumpRule struct {
-	table ipt.Table
-	chain ipt.Chain
-	args  []string
-}
-
-func jump(table ipt.Table, chain ipt.Chain, text, target string) jumpRule {
-	return jumpRule{table, chain, []string{"-m", "comment", "--comment", text, "-j", target}}
-}
-
 // jumpRules are IPVS mode's hooks, in the order they appear.
-var jumpRules = []jumpRule{
-	jump(ipt.TableNAT, ipt.ChainPrerouting, "kproxy ipvs service portals", chainServices),
-	jump(ipt.TableNAT, ipt.ChainOutput, "kproxy ipvs service portals", chainServices),
-	jump(ipt.TableNAT, ipt.ChainPostrouting, "kproxy ipvs postrouting rules", chainPostrouting),
-	jump(ipt.TableFilter, ipt.ChainInput, "kproxy ipvs input filter", chainInput),
-	jump(ipt.TableFilter, ipt.ChainInput, "kproxy ipvs access filter", chainFilter),
-	jump(ipt.TableFilter, ipt.ChainForward, "kproxy ipvs forwarding rules", chainForward),
+var jumpRules = []ipt.JumpRule{
+	ipt.Jump(ipt.TableNAT, ipt.ChainPrerouting, "kproxy ipvs service portals", chainServices),
+	ipt.Jump(ipt.TableNAT, ipt.ChainOutput, "kproxy ipvs service portals", chainServices),
+	ipt.Jump(ipt.TableNAT, ipt.ChainPostrouting, "kproxy ipvs postrouting rules", chainPostrouting),
+	ipt.Jump(ipt.TableFilter, ipt.ChainInput, "kproxy ipvs input filter", chainInput),
+	ipt.Jump(ipt.TableFilter, ipt.ChainInput, "kproxy ipvs access filter", chainFilter),
+	ipt.Jump(ipt.TableFilter, ipt.ChainForward, "kproxy ipvs forwarding rules", chainForward),
 }
 
-// ruleSet is the rule bodies (the text after "-A CHAIN") of every chain,
-// per table.
-type ruleSet map[ipt.Table]map[string][]string
-
-func (rs ruleSet) count() map[string]int {
+// ruleCounts counts the rules of rs and the hooks, by table.
+func ruleCounts(rs *ipt.RuleSet) map[string]int {
 	out := map[string]int{}
-	for table, chains := range rs {
-		n := 0
-		for _, rules := range chains {
-			n += len(rules)
-		}
-		out[string(table)] = n
+	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
+		out[string(table)] = rs.RuleCount(table)
 	}
 	for _, j := range jumpRules {
-		out[string(j.table)]++
+		out[string(j.Table)]++
 	}
 	return out
 }
 
 // renderRules renders IPVS mode's chains: constant apart from the shortcut
 // rules and the service ports' own chains (clusterChain).
-func (b *Backend) renderRules(shortcut []string) ruleSet {
+func (b *Backend) renderRules(shortcut []string) *ipt.RuleSet {
 	set := func(base string) string { return setName(base, b.ipv6) }
 	match := func(base, flags string) string { return "-m set --match-set " + set(base) + " " + flags }
 	masq := "-j MASQUERADE"
@@ -154,81 +132,23 @@ func (b *Backend) renderRules(shortcut []string) ruleSet {
 			nat[c] = rules
 		}
 	}
-	return ruleSet{ipt.TableNAT: nat, ipt.TableFilter: filter}
+	return &ipt.RuleSet{Shared: map[ipt.Table]map[string][]string{ipt.TableNAT: nat, ipt.TableFilter: filter}}
 }
 
 // writeRules writes the chains of rs that differ from what was last
 // written (every chain when full), in one iptables-restore, and on a full
-// sync also ensures the hooks and deletes IPVS-mode chains rs lacks.
-func (b *Backend) writeRules(ctx context.Context, rs ruleSet, full bool, st *SyncStats) error {
-	var buf bytes.Buffer
-	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
-		var write, del []string
-		for chain, rules := range rs[table] {
-			if full || b.rules[table][chain] != strings.Join(rules, "\n") {
-				write = append(write, chain)
-			}
-		}
-		if !full {
-			// A service port's own chain that is no longer wanted.
-			for c := range b.rules[table] {
-				if _, ok := rs[table][c]; !ok {
-					del = append(del, c)
-				}
-			}
-		}
-		if full {
-			existing, err := b.ipt.ListChains(ctx, table)
-			if err != nil {
-				return fmt.Errorf("listing %s chains: %w", table, err)
-			}
-			for _, c := range existing {
-				if _, ok := rs[table][c]; IsChain(c) && !ok {
-					del = append(del, c)
-				}
-			}
-		}
-		if len(write) == 0 && len(del) == 0 {
-			continue
-		}
-		slices.Sort(write)
-		slices.Sort(del)
-		fmt.Fprintf(&buf, "*%s\n", table)
-		for _, c := range append(append([]string{}, write...), del...) {
-			fmt.Fprintf(&buf, ":%s - [0:0]\n", c)
-		}
-		for _, c := range write {
-			for _, r := range rs[table][c] {
-				fmt.Fprintf(&buf, "-A %s %s\n", c, r)
-			}
-		}
-		for _, c := range del {
-			fmt.Fprintf(&buf, "-X %s\n", c)
-		}
-		buf.WriteString("COMMIT\n")
-	}
-	if buf.Len() > 0 {
-		st.Restores++
-		if err := b.ipt.Restore(ctx, buf.Bytes()); err != nil {
-			b.rules = nil
-			return fmt.Errorf("iptables-restore (%d bytes): %w", buf.Len(), err)
-		}
+// sync also deletes the IPVS-mode chains rs lacks and ensures the hooks.
+func (b *Backend) writeRules(ctx context.Context, rs *ipt.RuleSet, full bool, st *SyncStats) error {
+	ws, err := b.writer.Write(ctx, rs, full)
+	st.Restores += ws.Restores
+	if err != nil {
+		return err
 	}
 	if full {
-		for i := len(jumpRules) - 1; i >= 0; i-- {
-			j := jumpRules[i]
-			if _, err := b.ipt.EnsureRule(ctx, ipt.Prepend, j.table, j.chain, j.args...); err != nil {
-				return fmt.Errorf("ensuring jump from %s/%s: %w", j.table, j.chain, err)
-			}
+		if err := ipt.EnsureJumpRules(ctx, b.ipt, jumpRules); err != nil {
+			return err
 		}
 	}
-	b.rules = map[ipt.Table]map[string]string{}
-	for table, chains := range rs {
-		b.rules[table] = map[string]string{}
-		for c, rules := range chains {
-			b.rules[table][c] = strings.Join(rules, "\n")
-		}
-	}
-	b.ruleCounts = rs.count()
+	b.ruleCounts = ruleCounts(rs)
 	return nil
 }

@@ -15,7 +15,7 @@ import (
 	"github.com/kproxy/kproxy/pkg/ipvs"
 	"github.com/kproxy/kproxy/pkg/netlink"
 	"github.com/kproxy/kproxy/proxier"
-	iptbackend "github.com/kproxy/kproxy/proxier/iptables"
+	"github.com/kproxy/kproxy/proxier/cleanup"
 	ipvsbackend "github.com/kproxy/kproxy/proxier/ipvs"
 )
 
@@ -114,20 +114,20 @@ func newIPVSBackend(o *Options, k *ipvsKernel, i ipt.Interface, nodePortAddresse
 // keep handling service traffic, and the iptables backend would fail to
 // delete the IPVS chains its hooks reference. Failures are logged.
 func cleanupOtherMode(ctx context.Context, o *Options, ipts map[v1.IPFamily]ipt.Interface) {
-	other := ipvsbackend.IsChain
+	other := cleanup.IsIPVSChain
 	if o.ProxyMode == ModeIPVS {
-		other = func(c string) bool { return iptbackend.IsKProxyChain(c) && !ipvsbackend.IsChain(c) }
+		other = cleanup.IsIPTablesChain
 	}
 	for fam, i := range ipts {
-		if err := iptbackend.CleanupChains(ctx, i, other); err != nil {
+		if err := cleanup.RemoveChains(ctx, i, other); err != nil {
 			klog.FromContext(ctx).Error(err, "Removing the other proxy mode's iptables chains failed", "family", fam)
 		}
 	}
 }
 
-// cleanupAll removes what either mode left, for every family: iptables
-// chains and jumps, then IPVS mode's ipsets, virtual servers and dummy
-// device (where the kernel has them).
+// cleanupAll removes what either mode left, for every family, with
+// cleanup.Cleanup: iptables chains and jumps, then IPVS mode's ipsets,
+// virtual servers and dummy device (where the kernel has them).
 func cleanupAll(ctx context.Context, o *Options, ipts map[v1.IPFamily]ipt.Interface) error {
 	logger := klog.FromContext(ctx)
 	k, err := openIPVSKernel(ctx, o, false)
@@ -141,14 +141,14 @@ func cleanupAll(ctx context.Context, o *Options, ipts map[v1.IPFamily]ipt.Interf
 		if !ok {
 			continue
 		}
-		opts := ipvsbackend.CleanupOptions{IPTables: i, Netlink: k.nl}
+		opts := cleanup.Options{IPTables: i, Netlink: k.nl}
 		if k.ipvs != nil {
 			opts.IPVS = k.ipvs
 		}
 		if k.ipset != nil {
 			opts.IPSet = k.ipset
 		}
-		if err := ipvsbackend.Cleanup(ctx, opts); err != nil {
+		if err := cleanup.Cleanup(ctx, opts); err != nil {
 			errs = append(errs, fmt.Errorf("%s cleanup: %w", fam, err))
 			continue
 		}

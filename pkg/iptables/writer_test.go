@@ -1,0 +1,308 @@
+package iptables
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+)
+
+func ownedByTest(_ Table, chain string) bool { return strings.HasPrefix(chain, "T-") }
+
+// testRuleSet is svcs service groups (T-SVC-i, T-EP-i) in nat and a shared
+// dispatch chain jumping to each, plus a filter chain.
+func testRuleSet(svcs ...int) *RuleSet {
+	rs := NewRuleSet()
+	var dispatch []string
+	for _, i := range svcs {
+		rs.AddGroup(TableNAT,
+			ChainRules{fmt.Sprintf("T-EP-%d", i), []string{fmt.Sprintf("-p tcp -j DNAT --to-destination 10.1.0.%d:80", i)}},
+			ChainRules{fmt.Sprintf("T-SVC-%d", i), []string{fmt.Sprintf("-j T-EP-%d", i)}})
+		dispatch = append(dispatch, fmt.Sprintf("-d 10.0.0.%d/32 -p tcp -m tcp --dport 80 -j T-SVC-%d", i, i))
+	}
+	rs.SetShared(TableNAT, "T-SERVICES", dispatch)
+	rs.SetShared(TableFilter, "T-FORWARD", []string{"-j ACCEPT"})
+	return rs
+}
+
+func TestWriterPlans(t *testing.T) {
+	type step struct {
+		rs    *RuleSet
+		full  bool
+		want  string     // the plan's String()
+		stats WriteStats // Bytes is len(want)
+	}
+	for _, tc := range []struct {
+		name  string
+		setup string // restore input applied first (someone else's rules, leftovers)
+		batch int
+		steps []step
+	}{
+		{
+			name: "full write, then nothing changes",
+			steps: []step{
+				{rs: testRuleSet(1), full: true, want: "*nat\n:T-EP-1 - [0:0]\n:T-SVC-1 - [0:0]\n:T-SERVICES - [0:0]\n" +
+					"-A T-EP-1 -p tcp -j DNAT --to-destination 10.1.0.1:80\n-A T-SVC-1 -j T-EP-1\n" +
+					"-A T-SERVICES -d 10.0.0.1/32 -p tcp -m tcp --dport 80 -j T-SVC-1\nCOMMIT\n" +
+					"*filter\n:T-FORWARD - [0:0]\n-A T-FORWARD -j ACCEPT\nCOMMIT\n",
+					stats: WriteStats{Restores: 1, ChainsWritten: 4, RulesWritten: 4, RulesWrittenByTable: map[Table]int{TableNAT: 3, TableFilter: 1}}},
+				{rs: testRuleSet(1), want: ""},
+			},
+		},
+		{
+			name: "partial write carries the changed chains only",
+			steps: []step{
+				{rs: testRuleSet(1, 2), full: true},
+				{rs: func() *RuleSet {
+					rs := testRuleSet(1, 2)
+					rs.Groups[1].Chains[0].Rules = []string{"-p tcp -j DNAT --to-destination 10.1.9.9:80"}
+					return rs
+				}(), want: "*nat\n:T-EP-2 - [0:0]\n-A T-EP-2 -p tcp -j DNAT --to-destination 10.1.9.9:80\nCOMMIT\n",
+					stats: WriteStats{Restores: 1, ChainsWritten: 1, RulesWritten: 1, RulesWrittenByTable: map[Table]int{TableNAT: 1}}},
+			},
+		},
+		{
+			name: "a removed group's chains are deleted with the new dispatch chain",
+			steps: []step{
+				{rs: testRuleSet(1, 2), full: true},
+				{rs: testRuleSet(1), want: "*nat\n:T-SERVICES - [0:0]\n:T-EP-2 - [0:0]\n:T-SVC-2 - [0:0]\n" +
+					"-A T-SERVICES -d 10.0.0.1/32 -p tcp -m tcp --dport 80 -j T-SVC-1\n-X T-EP-2\n-X T-SVC-2\nCOMMIT\n",
+					stats: WriteStats{Restores: 1, ChainsWritten: 1, ChainsDeleted: 2, RulesWritten: 1, RulesWrittenByTable: map[Table]int{TableNAT: 1}}},
+			},
+		},
+		{
+			name:  "a full write deletes owned leftovers and keeps others' chains",
+			setup: "*nat\n:T-OLD - [0:0]\n:MINE - [0:0]\n-A MINE -j RETURN\nCOMMIT\n*filter\n:T-GONE - [0:0]\nCOMMIT\n",
+			steps: []step{
+				{rs: testRuleSet(), full: true, want: "*nat\n:T-SERVICES - [0:0]\n:T-OLD - [0:0]\n-X T-OLD\nCOMMIT\n" +
+					"*filter\n:T-FORWARD - [0:0]\n:T-GONE - [0:0]\n-A T-FORWARD -j ACCEPT\n-X T-GONE\nCOMMIT\n",
+					stats: WriteStats{Restores: 1, ChainsWritten: 2, ChainsDeleted: 2, RulesWritten: 1, RulesWrittenByTable: map[Table]int{TableNAT: 0, TableFilter: 1}}},
+			},
+		},
+		{
+			name:  "batches hold whole groups; shared chains and deletions come last",
+			batch: 3,
+			steps: []step{
+				{rs: testRuleSet(1, 2, 3), full: true},
+				{rs: testRuleSet(4, 5, 6), want: "*nat\n:T-EP-4 - [0:0]\n:T-SVC-4 - [0:0]\n:T-EP-5 - [0:0]\n:T-SVC-5 - [0:0]\n" +
+					"-A T-EP-4 -p tcp -j DNAT --to-destination 10.1.0.4:80\n-A T-SVC-4 -j T-EP-4\n" +
+					"-A T-EP-5 -p tcp -j DNAT --to-destination 10.1.0.5:80\n-A T-SVC-5 -j T-EP-5\nCOMMIT\n" +
+					"*nat\n:T-EP-6 - [0:0]\n:T-SVC-6 - [0:0]\n:T-SERVICES - [0:0]\n" +
+					":T-EP-1 - [0:0]\n:T-EP-2 - [0:0]\n:T-EP-3 - [0:0]\n:T-SVC-1 - [0:0]\n:T-SVC-2 - [0:0]\n:T-SVC-3 - [0:0]\n" +
+					"-A T-EP-6 -p tcp -j DNAT --to-destination 10.1.0.6:80\n-A T-SVC-6 -j T-EP-6\n" +
+					"-A T-SERVICES -d 10.0.0.4/32 -p tcp -m tcp --dport 80 -j T-SVC-4\n" +
+					"-A T-SERVICES -d 10.0.0.5/32 -p tcp -m tcp --dport 80 -j T-SVC-5\n" +
+					"-A T-SERVICES -d 10.0.0.6/32 -p tcp -m tcp --dport 80 -j T-SVC-6\n" +
+					"-X T-EP-1\n-X T-EP-2\n-X T-EP-3\n-X T-SVC-1\n-X T-SVC-2\n-X T-SVC-3\nCOMMIT\n",
+					stats: WriteStats{Restores: 2, ChainsWritten: 7, ChainsDeleted: 6, RulesWritten: 9, RulesWrittenByTable: map[Table]int{TableNAT: 9}}},
+			},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			fake := NewFake(ProtocolIPv4)
+			if tc.setup != "" {
+				if err := fake.Restore(ctx, []byte(tc.setup)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			w, err := NewWriter(WriterOptions{IPTables: fake, Owned: ownedByTest, BatchChains: tc.batch})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i, s := range tc.steps {
+				p, err := w.Plan(ctx, s.rs, s.full)
+				if err != nil {
+					t.Fatalf("step %d: plan: %v", i, err)
+				}
+				if got := p.String(); s.want != "" && got != s.want {
+					t.Errorf("step %d: plan\n%s\nwant\n%s", i, got, s.want)
+				}
+				if s.want == "" && i > 0 && !p.Empty() {
+					t.Errorf("step %d: plan is not empty:\n%s", i, p)
+				}
+				before := fake.RestoreCount()
+				st, err := w.Apply(ctx, p)
+				if err != nil {
+					t.Fatalf("step %d: apply: %v", i, err)
+				}
+				if n := fake.RestoreCount() - before; n != st.Restores || n != len(p.Restores()) {
+					t.Errorf("step %d: %d restores run, stats say %d, plan has %d", i, n, st.Restores, len(p.Restores()))
+				}
+				if strings.Join(p.Restores(), "") != p.String() {
+					t.Errorf("step %d: String() is not the restores' input", i)
+				}
+				if s.want != "" {
+					st.RestoreTime = 0
+					s.stats.Bytes = len(s.want)
+					if fmt.Sprint(st) != fmt.Sprint(s.stats) {
+						t.Errorf("step %d: stats %+v, want %+v", i, st, s.stats)
+					}
+				}
+				checkWritten(t, fake, s.rs)
+			}
+			if !slices.Contains(fake.Chains(TableNAT), "MINE") && tc.setup != "" {
+				t.Error("a chain the writer does not own was deleted")
+			}
+		})
+	}
+}
+
+// checkWritten checks that the kernel's owned chains are exactly rs's.
+func checkWritten(t *testing.T, fake *Fake, rs *RuleSet) {
+	t.Helper()
+	for _, table := range []Table{TableNAT, TableFilter} {
+		want := map[string][]string{}
+		for _, g := range rs.Groups {
+			if g.Table == table {
+				for _, c := range g.Chains {
+					want[c.Name] = c.Rules
+				}
+			}
+		}
+		for name, rules := range rs.Shared[table] {
+			want[name] = rules
+		}
+		for _, c := range fake.Chains(table) {
+			if !ownedByTest(table, c) {
+				continue
+			}
+			rules, ok := want[c]
+			if !ok {
+				t.Errorf("%s/%s left in the kernel", table, c)
+				continue
+			}
+			if got := fake.Rules(table, Chain(c)); !slices.Equal(got, rules) && len(got)+len(rules) > 0 {
+				t.Errorf("%s/%s holds %q, want %q", table, c, got, rules)
+			}
+			delete(want, c)
+		}
+		for c := range want {
+			t.Errorf("%s/%s missing from the kernel", table, c)
+		}
+	}
+}
+
+// failingRestore fails the restores numbered in fail (1-based).
+type failingRestore struct {
+	*Fake
+	n    int
+	fail map[int]bool
+}
+
+func (f *failingRestore) Restore(ctx context.Context, data []byte) error {
+	f.n++
+	if f.fail[f.n] {
+		return errors.New("injected failure")
+	}
+	return f.Fake.Restore(ctx, data)
+}
+
+func TestWriterForgetsAfterFailure(t *testing.T) {
+	ctx := context.Background()
+	iface := &failingRestore{Fake: NewFake(ProtocolIPv4), fail: map[int]bool{2: true}}
+	w, err := NewWriter(WriterOptions{IPTables: iface, Owned: ownedByTest})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.Write(ctx, testRuleSet(1), true); err != nil {
+		t.Fatal(err)
+	}
+	st, err := w.Write(ctx, testRuleSet(1, 2), false)
+	if err == nil || st.Restores != 1 {
+		t.Fatalf("failed write: err %v, %d restores; want an error after 1", err, st.Restores)
+	}
+	// Unknown state: everything is written again.
+	p, err := w.Plan(ctx, testRuleSet(1, 2), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := p.Stats().ChainsWritten; got != 6 {
+		t.Errorf("after a failure a write carries %d chains, want all 6", got)
+	}
+}
+
+func TestWriterRejectsUnknownTable(t *testing.T) {
+	w, err := NewWriter(WriterOptions{IPTables: NewFake(ProtocolIPv4), Owned: ownedByTest, Tables: []Table{TableNAT}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.Plan(context.Background(), testRuleSet(1), true); err == nil {
+		t.Error("a rule set with filter chains was planned by a nat-only writer")
+	}
+	for _, opts := range []WriterOptions{{Owned: ownedByTest}, {IPTables: NewFake(ProtocolIPv4)}} {
+		if _, err := NewWriter(opts); err == nil {
+			t.Errorf("NewWriter(%+v) succeeded", opts)
+		}
+	}
+}
+
+func TestRemoveChains(t *testing.T) {
+	ctx := context.Background()
+	fake := NewFake(ProtocolIPv4)
+	if err := fake.Restore(ctx, []byte("*nat\n:T-A - [0:0]\n:T-B - [0:0]\n:MINE - [0:0]\n"+
+		"-A PREROUTING -m comment --comment \"t hook\" -j T-A\n-A PREROUTING -j MINE\n"+
+		"-A MINE -g T-B\n-A T-A -j T-B\n-A T-B -j RETURN\nCOMMIT\n")); err != nil {
+		t.Fatal(err)
+	}
+	p, err := PlanRemoval(ctx, fake, TableNAT, ownedByTest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "*nat\n:T-A - [0:0]\n:T-B - [0:0]\n" +
+		"-D PREROUTING -m comment --comment \"t hook\" -j T-A\n-D MINE -g T-B\n-X T-A\n-X T-B\nCOMMIT\n"
+	if p.String() != want {
+		t.Errorf("removal plan\n%s\nwant\n%s", p, want)
+	}
+	for i := 1; i <= 2; i++ {
+		st, err := RemoveChains(ctx, fake, []Table{TableNAT, TableFilter}, ownedByTest)
+		if err != nil {
+			t.Fatalf("removal %d: %v", i, err)
+		}
+		if wantDeleted := 2 * boolToInt(i == 1); st.ChainsDeleted != wantDeleted || st.RulesDeleted != wantDeleted {
+			t.Errorf("removal %d deleted %d chains and %d rules, want %d of each", i, st.ChainsDeleted, st.RulesDeleted, wantDeleted)
+		}
+	}
+	if got := fake.Chains(TableNAT); slices.Contains(got, "T-A") || slices.Contains(got, "T-B") || !slices.Contains(got, "MINE") {
+		t.Errorf("nat chains after removal: %v", got)
+	}
+	if got := fake.Rules(TableNAT, ChainPrerouting); !slices.Equal(got, []string{"-j MINE"}) {
+		t.Errorf("PREROUTING after removal: %v", got)
+	}
+}
+
+func boolToInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+func TestEnsureJumpRules(t *testing.T) {
+	ctx := context.Background()
+	fake := NewFake(ProtocolIPv4)
+	if err := fake.Restore(ctx, []byte("*filter\n:T-A - [0:0]\n:T-B - [0:0]\n:OTHER - [0:0]\n-A INPUT -j OTHER\nCOMMIT\n")); err != nil {
+		t.Fatal(err)
+	}
+	rules := []JumpRule{
+		Jump(TableFilter, ChainInput, "first", "T-A", "-m", "conntrack", "--ctstate", "NEW"),
+		Jump(TableFilter, ChainInput, "second", "T-B"),
+		{Table: TableFilter, Chain: ChainInput, Args: []string{"-j", "T-B"}, Position: Append},
+	}
+	want := []string{
+		`-m conntrack --ctstate NEW -m comment --comment first -j T-A`,
+		`-m comment --comment second -j T-B`,
+		`-j OTHER`,
+		`-j T-B`,
+	}
+	for i := 1; i <= 2; i++ {
+		if err := EnsureJumpRules(ctx, fake, rules); err != nil {
+			t.Fatal(err)
+		}
+		if got := fake.Rules(TableFilter, ChainInput); !slices.Equal(got, want) {
+			t.Errorf("ensure %d: INPUT holds\n%q\nwant\n%q", i, got, want)
+		}
+	}
+}
