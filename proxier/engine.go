@@ -87,6 +87,7 @@ type RulesWrittenCounter interface {
 type EngineOptions struct {
 	Family   v1.IPFamily
 	NodeName string
+	NodeIP   netip.Addr // this node's primary IP of the family (zero: unknown)
 	Backend  Backend
 	// MinSyncPeriod is the least time between syncs (--iptables-min-sync-period).
 	MinSyncPeriod time.Duration

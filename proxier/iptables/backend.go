@@ -34,10 +34,16 @@ type Options struct {
 	// ClusterCIDR of this family: ClusterIP traffic from outside it is
 	// masqueraded. Zero means unknown (no such rule).
 	ClusterCIDR netip.Prefix
-	// NodePortAddresses restricts node ports to local addresses inside these
-	// prefixes. nil means every local address; an empty non-nil slice means
-	// none (--nodeport-addresses named only the other family).
-	NodePortAddresses []netip.Prefix
+	// NodePortAddresses selects the local addresses that accept node ports
+	// (--nodeport-addresses, this family); nil means every local address.
+	// Loopback addresses never do. Node ports without endpoints are
+	// rejected (or dropped) on every local address all the same.
+	NodePortAddresses *proxy.NodePortAddresses
+	// RouteLocalnet says that net.ipv4.conf.all.route_localnet is 1 (say
+	// kube-proxy left it): IPv4 packets from outside to 127.0.0.0/8 could
+	// then reach services bound to loopback, so the backend drops them, as
+	// kube-proxy does. Ignored for IPv6.
+	RouteLocalnet bool
 	// LocalAddresses lists the node's addresses; nil uses the host's
 	// interfaces.
 	LocalAddresses func() ([]netip.Addr, error)
@@ -168,6 +174,9 @@ var jumpRules = []jumpRule{
 	{ipt.TableNAT, ipt.ChainPrerouting, []string{"-m", "comment", "--comment", "kproxy service portals", "-j", chainServices}},
 	{ipt.TableNAT, ipt.ChainOutput, []string{"-m", "comment", "--comment", "kproxy service portals", "-j", chainServices}},
 	{ipt.TableNAT, ipt.ChainPostrouting, []string{"-m", "comment", "--comment", "kproxy postrouting rules", "-j", chainPostrouting}},
+	// First: no other rule of ours may accept a martian packet (localnet.go).
+	{ipt.TableFilter, ipt.ChainInput, []string{"-m", "comment", "--comment", "kproxy localnet firewall", "-j", chainLocalnetFirewall}},
+	{ipt.TableFilter, ipt.ChainOutput, []string{"-m", "comment", "--comment", "kproxy localnet firewall", "-j", chainLocalnetFirewall}},
 	{ipt.TableFilter, ipt.ChainInput, newOnly("-m", "comment", "--comment", "kproxy load balancer firewall", "-j", chainFirewall)},
 	{ipt.TableFilter, ipt.ChainInput, []string{"-m", "comment", "--comment", "kproxy health check service ports", "-j", chainNodePorts}},
 	{ipt.TableFilter, ipt.ChainInput, newOnly("-m", "comment", "--comment", "kproxy externally-visible service portals", "-j", chainExternalServices)},
@@ -183,7 +192,7 @@ var jumpRules = []jumpRule{
 // a sync (only by Cleanup).
 var baseChains = map[ipt.Table][]string{
 	ipt.TableNAT:    {chainServices, chainNodePorts, chainPostrouting, chainMarkMasq, chainHairpin, chainCanary},
-	ipt.TableFilter: {chainServices, chainExternalServices, chainExternalNodePort, chainNodePorts, chainFirewall, chainForward, chainCanary},
+	ipt.TableFilter: {chainServices, chainExternalServices, chainExternalNodePort, chainNodePorts, chainFirewall, chainForward, chainLocalnetFirewall, chainCanary},
 }
 
 // ensureHooks creates the base chains and the jumps into them. Jumps are
@@ -459,28 +468,24 @@ func (b *Backend) renderGlobal(services map[proxy.ServicePortName]*renderedServi
 		}
 	}
 
-	// Node ports are reached from the end of the service dispatch, for the
-	// selected local addresses.
-	var npTail, extTail []string
-	if b.opts.NodePortAddresses == nil {
+	// Node ports are reached from the end of the service dispatch, on the
+	// selected local addresses (never loopback ones). Node ports without
+	// endpoints are rejected or dropped on every local address, as
+	// kube-proxy does, whichever addresses serve them.
+	npComment := comment("kproxy service nodeports; NOTE: this must be the last rule in this chain")
+	var npTail []string
+	if b.opts.NodePortAddresses.MatchAll() {
 		loop := "127.0.0.0/8"
 		if b.ipv6 {
 			loop = "::1/128"
 		}
-		npTail = []string{comment("kproxy service nodeports; NOTE: this must be the last rule in this chain") +
-			" -m addrtype --dst-type LOCAL ! -d " + loop + " -j " + chainNodePorts}
-		extTail = []string{comment("kproxy node ports without endpoints") + " -m addrtype --dst-type LOCAL -j " + chainExternalNodePort}
+		npTail = []string{npComment + " -m addrtype --dst-type LOCAL ! -d " + loop + " -j " + chainNodePorts}
 	} else {
-		for _, a := range addrs {
-			for _, p := range b.opts.NodePortAddresses {
-				if p.Contains(a) {
-					npTail = append(npTail, comment("kproxy service nodeports; NOTE: this must be the last rule in this chain")+" -d "+hostAddr(a)+" -j "+chainNodePorts)
-					extTail = append(extTail, comment("kproxy node ports without endpoints")+" -d "+hostAddr(a)+" -j "+chainExternalNodePort)
-					break
-				}
-			}
+		for _, a := range b.opts.NodePortAddresses.Select(addrs) {
+			npTail = append(npTail, npComment+" -d "+hostAddr(a)+" -j "+chainNodePorts)
 		}
 	}
+	extTail := []string{comment("kproxy node ports without endpoints") + " -m addrtype --dst-type LOCAL -j " + chainExternalNodePort}
 
 	nat := map[string][]string{}
 	addrTree := addrBucketer{ipv6: b.ipv6}
@@ -534,6 +539,7 @@ func (b *Backend) renderGlobal(services map[proxy.ServicePortName]*renderedServi
 		comment("kproxy forwarding rules") + " -m mark --mark " + b.masqMark + "/" + b.masqMark + " -j ACCEPT",
 		comment("kproxy forwarding conntrack rule") + " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
 	}
+	filter[chainLocalnetFirewall] = b.localnetFirewall()
 	filter[chainCanary] = nil
 	return map[ipt.Table]map[string][]string{ipt.TableNAT: nat, ipt.TableFilter: filter}
 }

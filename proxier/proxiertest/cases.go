@@ -284,6 +284,7 @@ func Cases() []Case {
 		},
 	}
 	cases = append(cases, manyServices())
+	cases = append(cases, NodePortCases()...)
 	return cases
 }
 

@@ -14,6 +14,7 @@ import (
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/ipvs"
 	"github.com/kproxy/kproxy/pkg/netlink"
+	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
 	iptbackend "github.com/kproxy/kproxy/proxier/iptables"
 	ipvsbackend "github.com/kproxy/kproxy/proxier/ipvs"
@@ -95,7 +96,7 @@ func openIPVSKernel(ctx context.Context, o *Options, required bool) (*ipvsKernel
 }
 
 // newIPVSBackend builds the IPVS backend of one family.
-func newIPVSBackend(o *Options, k *ipvsKernel, i ipt.Interface, clusterCIDR netip.Prefix, nodePortAddresses []netip.Prefix) (proxier.Backend, error) {
+func newIPVSBackend(o *Options, k *ipvsKernel, i ipt.Interface, clusterCIDR netip.Prefix, nodePortAddresses *proxy.NodePortAddresses) (proxier.Backend, error) {
 	exclude, err := o.ipvsExcludeCIDRs()
 	if err != nil {
 		return nil, err
