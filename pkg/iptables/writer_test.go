@@ -1,4 +1,4 @@
-package iptables
+package iptables_test
 
 import (
 	"context"
@@ -7,6 +7,9 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	. "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
 )
 
 func ownedByTest(_ Table, chain string) bool { return strings.HasPrefix(chain, "T-") }
@@ -102,7 +105,7 @@ func TestWriterPlans(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
-			fake := NewFake(ProtocolIPv4)
+			fake := iptablestest.NewFake(ProtocolIPv4)
 			if tc.setup != "" {
 				if err := fake.Restore(ctx, []byte(tc.setup)); err != nil {
 					t.Fatal(err)
@@ -151,7 +154,7 @@ func TestWriterPlans(t *testing.T) {
 }
 
 // checkWritten checks that the kernel's owned chains are exactly rs's.
-func checkWritten(t *testing.T, fake *Fake, rs *RuleSet) {
+func checkWritten(t *testing.T, fake *iptablestest.Fake, rs *RuleSet) {
 	t.Helper()
 	for _, table := range []Table{TableNAT, TableFilter} {
 		want := map[string][]string{}
@@ -187,7 +190,7 @@ func checkWritten(t *testing.T, fake *Fake, rs *RuleSet) {
 
 // failingRestore fails the restores numbered in fail (1-based).
 type failingRestore struct {
-	*Fake
+	*iptablestest.Fake
 	n    int
 	fail map[int]bool
 }
@@ -202,7 +205,7 @@ func (f *failingRestore) Restore(ctx context.Context, data []byte) error {
 
 func TestWriterForgetsAfterFailure(t *testing.T) {
 	ctx := context.Background()
-	iface := &failingRestore{Fake: NewFake(ProtocolIPv4), fail: map[int]bool{2: true}}
+	iface := &failingRestore{Fake: iptablestest.NewFake(ProtocolIPv4), fail: map[int]bool{2: true}}
 	w, err := NewWriter(WriterOptions{IPTables: iface, Owned: ownedByTest})
 	if err != nil {
 		t.Fatal(err)
@@ -225,14 +228,14 @@ func TestWriterForgetsAfterFailure(t *testing.T) {
 }
 
 func TestWriterRejectsUnknownTable(t *testing.T) {
-	w, err := NewWriter(WriterOptions{IPTables: NewFake(ProtocolIPv4), Owned: ownedByTest, Tables: []Table{TableNAT}})
+	w, err := NewWriter(WriterOptions{IPTables: iptablestest.NewFake(ProtocolIPv4), Owned: ownedByTest, Tables: []Table{TableNAT}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, err := w.Plan(context.Background(), testRuleSet(1), true); err == nil {
 		t.Error("a rule set with filter chains was planned by a nat-only writer")
 	}
-	for _, opts := range []WriterOptions{{Owned: ownedByTest}, {IPTables: NewFake(ProtocolIPv4)}} {
+	for _, opts := range []WriterOptions{{Owned: ownedByTest}, {IPTables: iptablestest.NewFake(ProtocolIPv4)}} {
 		if _, err := NewWriter(opts); err == nil {
 			t.Errorf("NewWriter(%+v) succeeded", opts)
 		}
@@ -241,7 +244,7 @@ func TestWriterRejectsUnknownTable(t *testing.T) {
 
 func TestRemoveChains(t *testing.T) {
 	ctx := context.Background()
-	fake := NewFake(ProtocolIPv4)
+	fake := iptablestest.NewFake(ProtocolIPv4)
 	if err := fake.Restore(ctx, []byte("*nat\n:T-A - [0:0]\n:T-B - [0:0]\n:MINE - [0:0]\n"+
 		"-A PREROUTING -m comment --comment \"t hook\" -j T-A\n-A PREROUTING -j MINE\n"+
 		"-A MINE -g T-B\n-A T-A -j T-B\n-A T-B -j RETURN\nCOMMIT\n")); err != nil {
@@ -282,7 +285,7 @@ func boolToInt(b bool) int {
 
 func TestEnsureJumpRules(t *testing.T) {
 	ctx := context.Background()
-	fake := NewFake(ProtocolIPv4)
+	fake := iptablestest.NewFake(ProtocolIPv4)
 	if err := fake.Restore(ctx, []byte("*filter\n:T-A - [0:0]\n:T-B - [0:0]\n:OTHER - [0:0]\n-A INPUT -j OTHER\nCOMMIT\n")); err != nil {
 		t.Fatal(err)
 	}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/kproxy/kproxy/pkg/ipset"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
 	"github.com/kproxy/kproxy/pkg/ipvs"
 	"github.com/kproxy/kproxy/pkg/netlink"
 )
@@ -16,7 +17,7 @@ import (
 // kernel is one node's fake kernel holding what both modes leave, and
 // someone else's state.
 type kernel struct {
-	ipt  *ipt.Fake
+	ipt  *iptablestest.Fake
 	ipvs *ipvs.Fake
 	sets *ipset.Fake
 	nl   *netlink.Fake
@@ -47,7 +48,7 @@ const (
 func newKernel(t *testing.T) *kernel {
 	t.Helper()
 	ctx := context.Background()
-	k := &kernel{ipt: ipt.NewFake(ipt.ProtocolIPv4), ipvs: ipvs.NewFake(), sets: ipset.NewFake(), nl: netlink.NewFake()}
+	k := &kernel{ipt: iptablestest.NewFake(ipt.ProtocolIPv4), ipvs: ipvs.NewFake(), sets: ipset.NewFake(), nl: netlink.NewFake()}
 	for _, data := range []string{iptablesModeNAT, ipvsModeFilter} {
 		if err := k.ipt.Restore(ctx, []byte(data)); err != nil {
 			t.Fatal(err)
@@ -204,7 +205,7 @@ func TestCleanup(t *testing.T) {
 func TestCleanupBothFamiliesRemovesTheDevice(t *testing.T) {
 	ctx := context.Background()
 	k := newKernel(t)
-	v6 := ipt.NewFake(ipt.ProtocolIPv6)
+	v6 := iptablestest.NewFake(ipt.ProtocolIPv6)
 	for _, i := range []ipt.Interface{k.ipt, v6} {
 		if err := Cleanup(ctx, Options{IPTables: i, IPVS: k.ipvs, IPSet: k.sets, Netlink: k.nl}); err != nil {
 			t.Fatal(err)

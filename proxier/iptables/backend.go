@@ -27,10 +27,16 @@ type Options struct {
 	IPTables ipt.Interface
 	// MasqueradeBit is the fwmark bit (0-31) that asks for SNAT; default 14.
 	MasqueradeBit *int
-	// NodePortAddresses restricts node ports to local addresses inside these
-	// prefixes. nil means every local address; an empty non-nil slice means
-	// none (--nodeport-addresses named only the other family).
-	NodePortAddresses []netip.Prefix
+	// NodePortAddresses selects the local addresses that accept node ports
+	// (--nodeport-addresses, this family); nil means every local address.
+	// Loopback addresses never do. Node ports without endpoints are
+	// rejected (or dropped) on every local address all the same.
+	NodePortAddresses *proxy.NodePortAddresses
+	// RouteLocalnet says that net.ipv4.conf.all.route_localnet is 1 (say
+	// kube-proxy left it): IPv4 packets from outside to 127.0.0.0/8 could
+	// then reach services bound to loopback, so the backend drops them, as
+	// kube-proxy does. Ignored for IPv6.
+	RouteLocalnet bool
 	// LocalAddresses lists the node's addresses; nil uses the host's
 	// interfaces.
 	LocalAddresses func() ([]netip.Addr, error)
@@ -157,6 +163,9 @@ var jumpRules = []ipt.JumpRule{
 	ipt.Jump(ipt.TableNAT, ipt.ChainPrerouting, "kproxy service portals", chainServices),
 	ipt.Jump(ipt.TableNAT, ipt.ChainOutput, "kproxy service portals", chainServices),
 	ipt.Jump(ipt.TableNAT, ipt.ChainPostrouting, "kproxy postrouting rules", chainPostrouting),
+	// First: no other rule of ours may accept a martian packet (localnet.go).
+	ipt.Jump(ipt.TableFilter, ipt.ChainInput, "kproxy localnet firewall", chainLocalnetFirewall),
+	ipt.Jump(ipt.TableFilter, ipt.ChainOutput, "kproxy localnet firewall", chainLocalnetFirewall),
 	newConnJump(ipt.TableFilter, ipt.ChainInput, "kproxy load balancer firewall", chainFirewall),
 	ipt.Jump(ipt.TableFilter, ipt.ChainInput, "kproxy health check service ports", chainNodePorts),
 	newConnJump(ipt.TableFilter, ipt.ChainInput, "kproxy externally-visible service portals", chainExternalServices),
@@ -172,7 +181,7 @@ var jumpRules = []ipt.JumpRule{
 // a sync (only by Cleanup).
 var baseChains = map[ipt.Table][]string{
 	ipt.TableNAT:    {chainServices, chainNodePorts, chainPostrouting, chainMarkMasq, chainHairpin, chainCanary},
-	ipt.TableFilter: {chainServices, chainExternalServices, chainExternalNodePort, chainNodePorts, chainFirewall, chainForward, chainCanary},
+	ipt.TableFilter: {chainServices, chainExternalServices, chainExternalNodePort, chainNodePorts, chainFirewall, chainForward, chainLocalnetFirewall, chainCanary},
 }
 
 // ensureHooks creates the base chains and the jumps into them.
@@ -355,28 +364,24 @@ func (b *Backend) renderGlobal(names []proxy.ServicePortName, services map[proxy
 		}
 	}
 
-	// Node ports are reached from the end of the service dispatch, for the
-	// selected local addresses.
-	var npTail, extTail []string
-	if b.opts.NodePortAddresses == nil {
+	// Node ports are reached from the end of the service dispatch, on the
+	// selected local addresses (never loopback ones). Node ports without
+	// endpoints are rejected or dropped on every local address, as
+	// kube-proxy does, whichever addresses serve them.
+	npComment := comment("kproxy service nodeports; NOTE: this must be the last rule in this chain")
+	var npTail []string
+	if b.opts.NodePortAddresses.MatchAll() {
 		loop := "127.0.0.0/8"
 		if b.ipv6 {
 			loop = "::1/128"
 		}
-		npTail = []string{comment("kproxy service nodeports; NOTE: this must be the last rule in this chain") +
-			" -m addrtype --dst-type LOCAL ! -d " + loop + " -j " + chainNodePorts}
-		extTail = []string{comment("kproxy node ports without endpoints") + " -m addrtype --dst-type LOCAL -j " + chainExternalNodePort}
+		npTail = []string{npComment + " -m addrtype --dst-type LOCAL ! -d " + loop + " -j " + chainNodePorts}
 	} else {
-		for _, a := range addrs {
-			for _, p := range b.opts.NodePortAddresses {
-				if p.Contains(a) {
-					npTail = append(npTail, comment("kproxy service nodeports; NOTE: this must be the last rule in this chain")+" -d "+hostAddr(a)+" -j "+chainNodePorts)
-					extTail = append(extTail, comment("kproxy node ports without endpoints")+" -d "+hostAddr(a)+" -j "+chainExternalNodePort)
-					break
-				}
-			}
+		for _, a := range b.opts.NodePortAddresses.Select(addrs) {
+			npTail = append(npTail, npComment+" -d "+hostAddr(a)+" -j "+chainNodePorts)
 		}
 	}
+	extTail := []string{comment("kproxy node ports without endpoints") + " -m addrtype --dst-type LOCAL -j " + chainExternalNodePort}
 
 	nat := map[string][]string{}
 	addrTree := addrBucketer{ipv6: b.ipv6}
@@ -430,6 +435,7 @@ func (b *Backend) renderGlobal(names []proxy.ServicePortName, services map[proxy
 		comment("kproxy forwarding rules") + " -m mark --mark " + b.masqMark + "/" + b.masqMark + " -j ACCEPT",
 		comment("kproxy forwarding conntrack rule") + " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
 	}
+	filter[chainLocalnetFirewall] = b.localnetFirewall()
 	filter[chainCanary] = nil
 	return map[ipt.Table]map[string][]string{ipt.TableNAT: nat, ipt.TableFilter: filter}
 }

@@ -100,10 +100,10 @@ type Options struct {
 	ExcludeCIDRs []netip.Prefix
 	// MasqueradeBit is the fwmark bit (0-31) that asks for SNAT; default 14.
 	MasqueradeBit *int
-	// NodePortAddresses restricts node ports to local addresses inside
-	// these prefixes. nil means every local address but loopback ones; an
-	// empty non-nil slice means none.
-	NodePortAddresses []netip.Prefix
+	// NodePortAddresses selects the local addresses that accept node ports
+	// (--nodeport-addresses, this family); nil means every local address.
+	// Loopback addresses never do.
+	NodePortAddresses *proxy.NodePortAddresses
 	// DummyDevice holds the VIPs; default DefaultDummyDevice.
 	DummyDevice string
 	// GracefulTerminationTimeout: default DefaultGracefulTerminationTimeout.
@@ -307,18 +307,8 @@ func (b *Backend) addresses(ctx context.Context) (local, nodePort []netip.Addr, 
 			continue
 		}
 		local = append(local, a)
-		if b.opts.NodePortAddresses == nil {
-			nodePort = append(nodePort, a)
-			continue
-		}
-		for _, p := range b.opts.NodePortAddresses {
-			if p.Contains(a) {
-				nodePort = append(nodePort, a)
-				break
-			}
-		}
 	}
-	return local, nodePort, nil
+	return local, b.opts.NodePortAddresses.Select(local), nil
 }
 
 // Sync implements proxier.Backend.

@@ -323,6 +323,7 @@ func Cases() []Case {
 		},
 	}
 	cases = append(cases, manyServices())
+	cases = append(cases, NodePortCases()...)
 	return cases
 }
 

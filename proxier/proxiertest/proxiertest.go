@@ -18,6 +18,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	testingclock "k8s.io/utils/clock/testing"
 
+	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
 )
 
@@ -78,7 +79,7 @@ type Env struct {
 	ClusterCIDR   netip.Prefix
 	MasqueradeAll bool
 	// NodePortAddresses: nil means all local addresses.
-	NodePortAddresses []netip.Prefix
+	NodePortAddresses *proxy.NodePortAddresses
 	Family            v1.IPFamily
 }
 
@@ -92,11 +93,14 @@ type Factory func(t *testing.T, env Env) (proxier.Backend, Tracer)
 
 // Case is one behaviour case.
 type Case struct {
-	Name              string
-	Family            v1.IPFamily // default IPv4
-	NodeName          string      // default "node-a"
-	NodeIPs           []string    // default 10.0.0.1 (or fd00::1)
-	ClusterCIDR       string      // default 10.244.0.0/16 (or fd00:244::/64)
+	Name     string
+	Family   v1.IPFamily // default IPv4
+	NodeName string      // default "node-a"
+	NodeIPs  []string    // default 10.0.0.1 (or fd00::1)
+	// NodeIP is this node's primary IP (for the keyword "primary" of
+	// NodePortAddresses); default the first of NodeIPs, "none" for unknown.
+	NodeIP            string
+	ClusterCIDR       string // default 10.244.0.0/16 (or fd00:244::/64)
 	MasqueradeAll     bool
 	NodePortAddresses []string
 	Nodes             []*v1.Node
@@ -133,10 +137,19 @@ func (c *Case) env() Env {
 		e.ClusterCIDR = netip.MustParsePrefix(cidr)
 	}
 	if c.NodePortAddresses != nil {
-		e.NodePortAddresses = []netip.Prefix{}
-		for _, p := range c.NodePortAddresses {
-			e.NodePortAddresses = append(e.NodePortAddresses, netip.MustParsePrefix(p))
+		var primary netip.Addr
+		switch c.NodeIP {
+		case "":
+			primary = e.NodeIPs[0]
+		case "none":
+		default:
+			primary = netip.MustParseAddr(c.NodeIP)
 		}
+		npa, err := proxy.NewNodePortAddresses(e.Family, c.NodePortAddresses, primary)
+		if err != nil {
+			panic(fmt.Sprintf("case %q: %v", c.Name, err))
+		}
+		e.NodePortAddresses = npa
 	}
 	return e
 }

@@ -27,6 +27,8 @@ import (
 	logsapi "k8s.io/component-base/logs/api/v1"
 	"k8s.io/klog/v2"
 	kubeproxyconfig "k8s.io/kube-proxy/config/v1alpha1"
+
+	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
 // Ports kube-proxy appends to a bind address given without one.
@@ -234,10 +236,8 @@ func (a *configApplier) general(cfg *kubeproxyconfig.KubeProxyConfiguration) {
 	}
 	a.duration(cfg.ConfigSyncPeriod, "config-sync-period", &o.ConfigSyncPeriod)
 
-	switch cfg.BindAddress {
-	case "", "0.0.0.0", "::":
-	default:
-		a.warn("bindAddress", "ignored: not supported by kproxy (it takes the node's addresses from its Node object)")
+	if cfg.BindAddress != "" && a.fromFile("bind-address") {
+		o.BindAddress = cfg.BindAddress
 	}
 	a.ignored("bindAddressHardFail", cfg.BindAddressHardFail, "; a server that cannot bind is logged and retried while rules keep being programmed")
 	a.ignored("enableProfiling", cfg.EnableProfiling, "")
@@ -310,33 +310,13 @@ func (a *configApplier) network(cfg *kubeproxyconfig.KubeProxyConfiguration) {
 	}
 	a.ignored("detectLocal", cfg.DetectLocal != (kubeproxyconfig.DetectLocalConfiguration{}), "; kproxy uses clusterCIDR")
 	if len(cfg.NodePortAddresses) > 0 && a.fromFile("nodeport-addresses") {
-		o.NodePortAddresses = a.nodePortAddresses(cfg.NodePortAddresses)
-	}
-}
-
-// nodePortAddresses translates kube-proxy's nodePortAddresses: CIDRs stay,
-// "all" means every local address (kproxy's empty list), "localhost" is
-// dropped (kproxy never serves NodePorts on loopback), and "primary" is an
-// error: serving on every address instead would expose more than asked.
-func (a *configApplier) nodePortAddresses(in []string) []string {
-	var out []string
-	all := false
-	for _, s := range in {
-		switch strings.TrimSpace(s) {
-		case "all":
-			all = true
-		case "localhost":
-			a.warn("nodePortAddresses", `"localhost" ignored: kproxy never serves NodePorts on loopback addresses`)
-		case "primary":
-			a.fail("nodePortAddresses", `the keyword "primary" is not supported by kproxy; list the CIDRs of the nodes' primary addresses instead`)
-		default:
-			out = append(out, s)
+		o.NodePortAddresses = slices.Clone(cfg.NodePortAddresses)
+		for _, s := range cfg.NodePortAddresses {
+			if strings.TrimSpace(s) == proxy.NodePortAddressesLocalhost {
+				a.warn("nodePortAddresses", "%q: kproxy never serves NodePorts on loopback addresses", s)
+			}
 		}
 	}
-	if all {
-		return nil
-	}
-	return out
 }
 
 func (a *configApplier) logging(cfg *kubeproxyconfig.KubeProxyConfiguration) {
@@ -388,6 +368,7 @@ func (o *Options) ProxyConfig(fs *pflag.FlagSet) (*kubeproxyconfig.KubeProxyConf
 	cfg := &kubeproxyconfig.KubeProxyConfiguration{
 		TypeMeta:           metav1.TypeMeta{APIVersion: kubeproxyconfig.SchemeGroupVersion.String(), Kind: "KubeProxyConfiguration"},
 		HostnameOverride:   o.HostnameOverride,
+		BindAddress:        o.BindAddress,
 		HealthzBindAddress: o.HealthzBindAddress,
 		MetricsBindAddress: o.MetricsBindAddress,
 		Mode:               kubeproxyconfig.ProxyMode(o.ProxyMode),

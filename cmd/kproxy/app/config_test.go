@@ -161,12 +161,13 @@ func TestApplyProxyConfig(t *testing.T) {
 clientConnection:
   kubeconfig: /etc/kproxy/kubeconfig
 hostnameOverride: node-a
+bindAddress: 10.0.0.5
 mode: iptables
 clusterCIDR: 10.244.0.0/16,fd00:10:244::/56
 healthzBindAddress: 127.0.0.1:20256
 metricsBindAddress: 0.0.0.0:20249
 configSyncPeriod: 5m
-nodePortAddresses: [10.0.0.0/8, "fd00::/64"]
+nodePortAddresses: [10.0.0.0/8, "fd00::/64", primary]
 iptables:
   masqueradeAll: true
   masqueradeBit: 12
@@ -233,11 +234,12 @@ logging:
 			want: func(o *Options) {
 				o.Kubeconfig = "/etc/kproxy/kubeconfig"
 				o.HostnameOverride = "node-a"
+				o.BindAddress = "10.0.0.5"
 				o.ClusterCIDR = "10.244.0.0/16,fd00:10:244::/56"
 				o.HealthzBindAddress = "127.0.0.1:20256"
 				o.MetricsBindAddress = "0.0.0.0:20249"
 				o.ConfigSyncPeriod = 5 * time.Minute
-				o.NodePortAddresses = []string{"10.0.0.0/8", "fd00::/64"}
+				o.NodePortAddresses = []string{"10.0.0.0/8", "fd00::/64", "primary"}
 				o.MasqueradeAll = true
 				o.MasqueradeBit = 12
 				o.SyncPeriod = time.Minute
@@ -264,7 +266,7 @@ logging:
 			name: "flags given on the command line win over every field",
 			file: everything,
 			args: []string{
-				"--kubeconfig=/flag/kubeconfig", "--hostname-override=node-b", "--proxy-mode=iptables",
+				"--kubeconfig=/flag/kubeconfig", "--hostname-override=node-b", "--bind-address=0.0.0.0", "--proxy-mode=iptables",
 				"--cluster-cidr=10.9.0.0/16", "--healthz-bind-address=", "--metrics-bind-address=127.0.0.1:10249",
 				"--config-sync-period=1m", "--nodeport-addresses=192.168.0.0/16", "--masquerade-all=false",
 				"--iptables-masquerade-bit=3", "--iptables-sync-period=10s", "--iptables-min-sync-period=0",
@@ -295,11 +297,12 @@ logging:
 			want: func(o *Options) {
 				o.Kubeconfig = "/etc/kproxy/kubeconfig"
 				o.HostnameOverride = "node-b"
+				o.BindAddress = "10.0.0.5"
 				o.ClusterCIDR = "10.244.0.0/16,fd00:10:244::/56"
 				o.HealthzBindAddress = "127.0.0.1:20256"
 				o.MetricsBindAddress = "0.0.0.0:20249"
 				o.ConfigSyncPeriod = 5 * time.Minute
-				o.NodePortAddresses = []string{"10.0.0.0/8", "fd00::/64"}
+				o.NodePortAddresses = []string{"10.0.0.0/8", "fd00::/64", "primary"}
 				o.MasqueradeAll = true
 				o.MasqueradeBit = 12
 				o.SyncPeriod = time.Minute
@@ -363,31 +366,24 @@ logging:
 			wantErrs: []string{`"nftables" is not supported`},
 		},
 		{
-			name:         "nodePortAddresses keywords: all is every address, localhost is dropped",
-			file:         header + "nodePortAddresses: [10.0.0.0/8, localhost]\n",
-			want:         func(o *Options) { o.NodePortAddresses = []string{"10.0.0.0/8"} },
+			name:         "nodePortAddresses keywords are kept as they are; localhost warns",
+			file:         header + "nodePortAddresses: [10.0.0.0/8, localhost, primary, all]\n",
+			want:         func(o *Options) { o.NodePortAddresses = []string{"10.0.0.0/8", "localhost", "primary", "all"} },
 			wantWarnings: []string{"nodePortAddresses"},
 		},
 		{
-			name: "nodePortAddresses all wins over CIDRs",
-			file: header + "nodePortAddresses: [10.0.0.0/8, all]\n",
+			name: "nodePortAddresses primary, as kube-proxy's nftables mode default",
+			file: header + "nodePortAddresses: [primary]\n",
+			want: func(o *Options) { o.NodePortAddresses = []string{"primary"} },
 		},
 		{
-			name:     "nodePortAddresses primary is refused",
-			file:     header + "nodePortAddresses: [primary]\n",
-			wantErrs: []string{"nodePortAddresses", `"primary" is not supported`},
-		},
-		{
-			name: "every error at once",
-			file: header + "mode: nftables\nnodePortAddresses: [primary]\n",
-			wantErrs: []string{
-				`mode: "nftables"`, `nodePortAddresses: the keyword "primary"`,
-			},
+			name: "bindAddress is this node's primary IP",
+			file: header + "bindAddress: fd00::5\n",
+			want: func(o *Options) { o.BindAddress = "fd00::5" },
 		},
 		{
 			name: "unsupported settings warn and change nothing",
 			file: header + `
-bindAddress: 10.0.0.5
 bindAddressHardFail: true
 enableProfiling: true
 showHiddenMetricsForVersion: "1.36"
@@ -405,7 +401,7 @@ windowsRunAsService: true
 `,
 			wantWarnings: []string{
 				"clientConnection.qps", "clientConnection.burst", "clientConnection.contentType", "clientConnection.acceptContentTypes",
-				"bindAddress", "bindAddressHardFail", "enableProfiling", "showHiddenMetricsForVersion", "oomScoreAdj", "portRange",
+				"bindAddressHardFail", "enableProfiling", "showHiddenMetricsForVersion", "oomScoreAdj", "portRange",
 				"featureGates.Alpha", "featureGates.Zeta",
 				"iptables.localhostNodePorts", "nftables", "detectLocalMode", "detectLocal",
 				"logging.format", "logging.flushFrequency", "winkernel", "windowsRunAsService",
@@ -422,6 +418,7 @@ iptables: {localhostNodePorts: false}
 nftables: {syncPeriod: 30s, minSyncPeriod: 1s, masqueradeBit: 14}
 logging: {format: text, flushFrequency: 5s}
 `,
+			want: func(o *Options) { o.BindAddress = "::" },
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -487,7 +484,7 @@ func TestProxyConfigRoundTrip(t *testing.T) {
 			args: []string{
 				"--kubeconfig=/k", "--hostname-override=n",
 				"--cluster-cidr=10.244.0.0/16,fd00::/56", "--healthz-bind-address=[::]:1", "--metrics-bind-address=0.0.0.0:2",
-				"--config-sync-period=3m", "--nodeport-addresses=10.0.0.0/8", "--masquerade-all",
+				"--config-sync-period=3m", "--nodeport-addresses=10.0.0.0/8,primary", "--bind-address=10.0.0.5", "--masquerade-all",
 				"--iptables-masquerade-bit=0", "--iptables-sync-period=40s", "--iptables-min-sync-period=3s", "-v=5",
 				"--proxy-mode=ipvs", "--ipvs-scheduler=sh", "--ipvs-strict-arp", "--ipvs-tcp-timeout=1s", "--ipvs-tcpfin-timeout=2s",
 				"--ipvs-udp-timeout=3s", "--ipvs-exclude-cidrs=10.1.0.0/16,fd01::/64", "--ipvs-sync-period=50s", "--ipvs-min-sync-period=4s",

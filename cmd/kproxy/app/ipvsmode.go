@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/netip"
 	"os"
 
 	v1 "k8s.io/api/core/v1"
@@ -14,6 +13,7 @@ import (
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/ipvs"
 	"github.com/kproxy/kproxy/pkg/netlink"
+	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
 	"github.com/kproxy/kproxy/proxier/cleanup"
 	ipvsbackend "github.com/kproxy/kproxy/proxier/ipvs"
@@ -95,7 +95,7 @@ func openIPVSKernel(ctx context.Context, o *Options, required bool) (*ipvsKernel
 }
 
 // newIPVSBackend builds the IPVS backend of one family.
-func newIPVSBackend(o *Options, k *ipvsKernel, i ipt.Interface, nodePortAddresses []netip.Prefix) (proxier.Backend, error) {
+func newIPVSBackend(o *Options, k *ipvsKernel, i ipt.Interface, nodePortAddresses *proxy.NodePortAddresses) (proxier.Backend, error) {
 	exclude, err := o.ipvsExcludeCIDRs()
 	if err != nil {
 		return nil, err

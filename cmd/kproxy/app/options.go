@@ -16,6 +16,7 @@ import (
 
 	"github.com/kproxy/kproxy/pkg/conntrack"
 	"github.com/kproxy/kproxy/pkg/ipvs"
+	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
 // Version is set at build time with -ldflags "-X .../app.Version=...".
@@ -30,12 +31,15 @@ const (
 // Options are kproxy's flags, with kube-proxy's names and defaults where
 // kube-proxy has them.
 type Options struct {
-	Kubeconfig         string
-	Master             string
-	HostnameOverride   string
-	ProxyMode          string
-	Cleanup            bool
-	ClusterCIDR        string
+	Kubeconfig       string
+	Master           string
+	HostnameOverride string
+	ProxyMode        string
+	Cleanup          bool
+	ClusterCIDR      string
+	// BindAddress is kube-proxy's --bind-address: this node's primary IP
+	// when it is a specific address (0.0.0.0 or ::: none).
+	BindAddress        string
 	MasqueradeAll      bool
 	MasqueradeBit      int
 	SyncPeriod         time.Duration
@@ -76,6 +80,7 @@ type Options struct {
 func NewOptions() *Options {
 	return &Options{
 		ProxyMode:          ModeIPTables,
+		BindAddress:        "0.0.0.0",
 		MasqueradeBit:      14,
 		SyncPeriod:         30 * time.Second,
 		MinSyncPeriod:      time.Second,
@@ -101,7 +106,8 @@ func (o *Options) AddFlags(fs *pflag.FlagSet) {
 	fs.IntVar(&o.MasqueradeBit, "iptables-masquerade-bit", o.MasqueradeBit, "The bit of the fwmark space that marks packets requiring SNAT. Must be within [0, 31].")
 	fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "The maximum interval between rule syncs (e.g. '5s', '1m'). Must be greater than 0.")
 	fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The minimum interval between rule syncs as endpoints and services change (e.g. '5s', '1m'). 0 syncs at once.")
-	fs.StringSliceVar(&o.NodePortAddresses, "nodeport-addresses", o.NodePortAddresses, "A list of CIDR ranges (e.g. '10.0.0.0/8,1.2.3.0/24') selecting the node addresses that accept NodePort traffic. Empty: every local address.")
+	fs.StringVar(&o.BindAddress, "bind-address", o.BindAddress, "Overrides kproxy's idea of this node's primary IP (for its family; kproxy binds nothing to it, the name is kube-proxy's). '0.0.0.0' or '::': the Node object's first InternalIP (else ExternalIP) of each family.")
+	fs.StringSliceVar(&o.NodePortAddresses, "nodeport-addresses", o.NodePortAddresses, "A list of CIDR ranges and/or keywords selecting the node addresses that accept NodePort traffic (e.g. '10.0.0.0/8,fd00::/64' or 'primary'). Keywords: 'primary' (this node's primary IP of each family, see --bind-address), 'localhost' (127.0.0.0/8 and ::1/128) and 'all' (0.0.0.0/0 and ::/0). Each IP family reads only its own values: a family with none (the flag unset, or naming only the other family) serves NodePorts on every address. Loopback addresses never serve NodePorts, even when listed. NodePorts without endpoints are rejected on every local address.")
 	fs.DurationVar(&o.ConfigSyncPeriod, "config-sync-period", o.ConfigSyncPeriod, "How often informers resync from the API server. Must be greater than 0.")
 	fs.StringVar(&o.ServiceProxyName, "service-proxy-name", o.ServiceProxyName, "Handle only Services labelled service.kubernetes.io/service-proxy-name=<name>. Empty: only Services without that label, like kube-proxy.")
 	fs.BoolVar(&o.ShowVersion, "version", o.ShowVersion, "Print the version and exit.")
@@ -156,8 +162,11 @@ func (o *Options) Validate() error {
 	if _, err := o.clusterCIDRs(); err != nil {
 		errs = append(errs, err)
 	}
-	if _, err := o.nodePortPrefixes(); err != nil {
-		errs = append(errs, err)
+	for _, err := range proxy.ValidateNodePortAddresses(o.NodePortAddresses) {
+		errs = append(errs, fmt.Errorf("--nodeport-addresses: %w", err))
+	}
+	if o.BindAddress != "" && !parseIPSloppy(o.BindAddress).IsValid() {
+		errs = append(errs, fmt.Errorf("--bind-address=%q is not an IP address", o.BindAddress))
 	}
 	if err := validateBindAddress("--healthz-bind-address", o.HealthzBindAddress); err != nil {
 		errs = append(errs, err)
@@ -266,22 +275,14 @@ func (o *Options) clusterCIDRs() (map[v1.IPFamily]netip.Prefix, error) {
 	return out, nil
 }
 
-// nodePortPrefixes parses --nodeport-addresses.
-func (o *Options) nodePortPrefixes() (map[v1.IPFamily][]netip.Prefix, error) {
-	out := map[v1.IPFamily][]netip.Prefix{}
-	for _, s := range o.NodePortAddresses {
-		s = strings.TrimSpace(s)
-		if s == "" {
-			continue
-		}
-		p, err := netip.ParsePrefix(s)
-		if err != nil {
-			return nil, fmt.Errorf("--nodeport-addresses: %q is not a CIDR: %w", s, err)
-		}
-		fam := familyOf(p.Addr())
-		out[fam] = append(out[fam], p.Masked())
+// nodePortAddresses reads --nodeport-addresses for family, with this
+// node's primary IP of that family (zero when unknown).
+func (o *Options) nodePortAddresses(family v1.IPFamily, nodeIP netip.Addr) (*proxy.NodePortAddresses, error) {
+	npa, err := proxy.NewNodePortAddresses(family, o.NodePortAddresses, nodeIP)
+	if err != nil {
+		return nil, fmt.Errorf("--nodeport-addresses: %w", err)
 	}
-	return out, nil
+	return npa, nil
 }
 
 func familyOf(a netip.Addr) v1.IPFamily {

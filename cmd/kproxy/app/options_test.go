@@ -47,6 +47,13 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "single-stack cluster CIDR", args: []string{"--cluster-cidr=10.244.0.0/16"}},
 		{name: "dual-stack cluster CIDRs", args: []string{"--cluster-cidr=10.244.0.0/16, fd00:10:244::/56"}},
 		{name: "nodeport addresses", args: []string{"--nodeport-addresses=10.0.0.0/8,fd00::/64", "--nodeport-addresses=192.168.0.0/16"}},
+		{name: "nodeport addresses primary", args: []string{"--nodeport-addresses=primary"}},
+		{name: "nodeport addresses: every keyword and CIDRs", args: []string{"--nodeport-addresses=primary,localhost,all,10.0.0.0/8,fd00::/64"}},
+		{name: "nodeport addresses with leading zeros, as kube-proxy", args: []string{"--nodeport-addresses=010.000.000.000/8"}},
+		{name: "bind address IPv4", args: []string{"--bind-address=10.0.0.5"}},
+		{name: "bind address IPv6", args: []string{"--bind-address=fd00::5"}},
+		{name: "bind address unspecified", args: []string{"--bind-address=::"}},
+		{name: "bind address empty", args: []string{"--bind-address="}},
 		{name: "health and metrics disabled", args: []string{"--healthz-bind-address=", "--metrics-bind-address="}},
 		{name: "IPv6 bind addresses", args: []string{"--healthz-bind-address=[::]:10256", "--metrics-bind-address=[::1]:10249"}},
 		{name: "bind address port 0", args: []string{"--healthz-bind-address=127.0.0.1:0", "--metrics-bind-address=0.0.0.0:65535"}},
@@ -84,6 +91,10 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "two IPv6 cluster CIDRs", args: []string{"--cluster-cidr=fd00::/64,fd01::/64"}, wantErrs: []string{"--cluster-cidr", "more than one IPv6"}},
 		{name: "nodeport address without a length", args: []string{"--nodeport-addresses=10.0.0.1"}, wantErrs: []string{"--nodeport-addresses", `"10.0.0.1"`}},
 		{name: "nodeport address garbage", args: []string{"--nodeport-addresses=10.0.0.0/8,primary-ish"}, wantErrs: []string{"--nodeport-addresses", `"primary-ish"`}},
+		{name: "nodeport address keyword twice", args: []string{"--nodeport-addresses=primary,10.0.0.0/8", "--nodeport-addresses=primary"}, wantErrs: []string{"--nodeport-addresses", `"primary" is given more than once`}},
+		{name: "nodeport address keyword in capitals", args: []string{"--nodeport-addresses=ALL"}, wantErrs: []string{"--nodeport-addresses", `"ALL"`, "keywords"}},
+		{name: "bind address with a port", args: []string{"--bind-address=10.0.0.5:80"}, wantErrs: []string{`--bind-address="10.0.0.5:80" is not an IP address`}},
+		{name: "bind address host name", args: []string{"--bind-address=node-a"}, wantErrs: []string{`--bind-address="node-a"`}},
 		{name: "config sync period 0", args: []string{"--config-sync-period=0"}, wantErrs: []string{"--config-sync-period=0s"}},
 		{name: "batch chains 0", args: []string{"--iptables-restore-batch-chains=0"}, wantErrs: []string{"--iptables-restore-batch-chains=0"}},
 		{name: "healthz address without a port", args: []string{"--healthz-bind-address=0.0.0.0"}, wantErrs: []string{`--healthz-bind-address="0.0.0.0"`, "with a port"}},
@@ -94,10 +105,11 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "metrics IPv6 address without brackets", args: []string{"--metrics-bind-address=::1:10249"}, wantErrs: []string{"--metrics-bind-address", "with a port"}},
 		{
 			name: "every problem is reported at once",
-			args: []string{"--proxy-mode=bogus", "--iptables-masquerade-bit=40", "--iptables-sync-period=0", "--config-sync-period=0", "--cluster-cidr=x", "--nodeport-addresses=y"},
+			args: []string{"--proxy-mode=bogus", "--iptables-masquerade-bit=40", "--iptables-sync-period=0", "--config-sync-period=0", "--cluster-cidr=x",
+				"--nodeport-addresses=y,all,all", "--bind-address=z"},
 			wantErrs: []string{
 				"--proxy-mode", "--iptables-masquerade-bit=40", "--iptables-sync-period=0s", "--config-sync-period=0s",
-				"--cluster-cidr", "--nodeport-addresses",
+				"--cluster-cidr", `--nodeport-addresses: "y"`, `--nodeport-addresses: the keyword "all"`, "--bind-address",
 			},
 		},
 	} {
@@ -124,7 +136,7 @@ func TestOptionsValidate(t *testing.T) {
 func TestNewOptionsDefaults(t *testing.T) {
 	got := parseOptions(t)
 	want := &Options{
-		ProxyMode: ModeIPTables, MasqueradeBit: 14, SyncPeriod: 30 * time.Second, MinSyncPeriod: time.Second,
+		ProxyMode: ModeIPTables, BindAddress: "0.0.0.0", MasqueradeBit: 14, SyncPeriod: 30 * time.Second, MinSyncPeriod: time.Second,
 		ConfigSyncPeriod: 15 * time.Minute, IPTablesBatchChain: 1000,
 		HealthzBindAddress: "0.0.0.0:10256", MetricsBindAddress: "127.0.0.1:10249",
 		Conntrack:     conntrack.Config{MaxPerCore: 32768, Min: 131072, TCPEstablishedTimeout: 24 * time.Hour, TCPCloseWaitTimeout: time.Hour},
@@ -168,19 +180,46 @@ func TestClusterCIDRs(t *testing.T) {
 	}
 }
 
-func TestNodePortPrefixes(t *testing.T) {
-	o := NewOptions()
-	o.NodePortAddresses = []string{"10.0.0.5/8", " ", "fd00::1/64", "192.168.1.0/24"}
-	got, err := o.nodePortPrefixes()
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := map[v1.IPFamily][]netip.Prefix{
-		v1.IPv4Protocol: {netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("192.168.1.0/24")},
-		v1.IPv6Protocol: {netip.MustParsePrefix("fd00::/64")},
-	}
-	if !reflect.DeepEqual(got, want) {
-		t.Errorf("nodePortPrefixes() = %v, want %v", got, want)
+func TestNodePortAddressesPerFamily(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		values []string
+		nodeIP map[v1.IPFamily]string
+		want   map[v1.IPFamily]string
+	}{
+		{name: "unset", want: map[v1.IPFamily]string{v1.IPv4Protocol: "IPv4: all", v1.IPv6Protocol: "IPv6: all"}},
+		{
+			name: "one family: the other one matches all", values: []string{"10.0.0.5/8", " ", "192.168.1.0/24"},
+			want: map[v1.IPFamily]string{v1.IPv4Protocol: "IPv4: 10.0.0.0/8,192.168.1.0/24", v1.IPv6Protocol: "IPv6: all"},
+		},
+		{
+			name: "primary with node IPs of both families", values: []string{"primary"},
+			nodeIP: map[v1.IPFamily]string{v1.IPv4Protocol: "10.0.0.1", v1.IPv6Protocol: "fd00::1"},
+			want:   map[v1.IPFamily]string{v1.IPv4Protocol: "IPv4: 10.0.0.1/32", v1.IPv6Protocol: "IPv6: fd00::1/128"},
+		},
+		{
+			name: "primary on a single-stack node", values: []string{"primary"},
+			nodeIP: map[v1.IPFamily]string{v1.IPv4Protocol: "10.0.0.1"},
+			want:   map[v1.IPFamily]string{v1.IPv4Protocol: "IPv4: 10.0.0.1/32", v1.IPv6Protocol: "IPv6: all"},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			o := NewOptions()
+			o.NodePortAddresses = tc.values
+			for fam, want := range tc.want {
+				var ip netip.Addr
+				if s, ok := tc.nodeIP[fam]; ok {
+					ip = netip.MustParseAddr(s)
+				}
+				got, err := o.nodePortAddresses(fam, ip)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got.String() != want {
+					t.Errorf("%s: %s, want %s", fam, got, want)
+				}
+			}
+		})
 	}
 }
 

@@ -52,6 +52,13 @@ const runNode = "node-a"
 
 func startRun(t *testing.T, ct *conntrack.Fake, objects ...runtime.Object) *runHarness {
 	t.Helper()
+	return startRunWith(t, ct, nil, objects...)
+}
+
+// startRunWith is startRun with options and dependencies adjusted by
+// adjust (when not nil) before kproxy starts.
+func startRunWith(t *testing.T, ct *conntrack.Fake, adjust func(*Options, *runDeps), objects ...runtime.Object) *runHarness {
+	t.Helper()
 	_, ctx := ktesting.NewTestContext(t)
 	ctx, cancel := context.WithCancel(ctx)
 	t.Cleanup(cancel)
@@ -70,15 +77,20 @@ func startRun(t *testing.T, ct *conntrack.Fake, objects ...runtime.Object) *runH
 	o.HostnameOverride = runNode
 	o.HealthzBindAddress, o.MetricsBindAddress = "", ""
 	o.MinSyncPeriod = 0
-	if err := o.Validate(); err != nil {
-		t.Fatal(err)
-	}
 	deps := runDeps{
 		client:       h.client,
 		iptables:     map[v1.IPFamily]ipt.Interface{v1.IPv4Protocol: h.ipt},
 		sysctl:       h.sys,
 		moduleParams: conntrack.NewFakeSysctl(map[string]int{conntrack.ModuleParamHashSize: 65536}),
 		conntrack:    ct,
+		// The test Nodes have no addresses: do not wait for them.
+		nodeIPTimeout: 10 * time.Millisecond,
+	}
+	if adjust != nil {
+		adjust(o, &deps)
+	}
+	if err := o.Validate(); err != nil {
+		t.Fatal(err)
 	}
 	go func() { h.done <- run(ctx, o, deps) }()
 	return h

@@ -26,6 +26,7 @@ import (
 	"github.com/kproxy/kproxy/pkg/healthcheck"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/metrics"
+	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
 	iptbackend "github.com/kproxy/kproxy/proxier/iptables"
 )
@@ -146,6 +147,11 @@ type runDeps struct {
 	iptables             map[v1.IPFamily]ipt.Interface
 	sysctl, moduleParams conntrack.Sysctl
 	conntrack            conntrack.Interface
+	// nodeIPTimeout bounds the wait for this node's Node object and its
+	// addresses; zero means defaultNodeIPTimeout.
+	nodeIPTimeout time.Duration
+	// localAddresses lists the host's addresses for the iptables backend.
+	localAddresses func() ([]netip.Addr, error)
 }
 
 // run is Run with deps.
@@ -198,7 +204,25 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	recorder, stopEvents := startEvents(ctx, client, name)
 	defer stopEvents()
 	cidrs, _ := o.clusterCIDRs()
-	npPrefixes, _ := o.nodePortPrefixes()
+	// This node's primary IPs (nodeip.go), for the engines and for
+	// --nodeport-addresses=primary.
+	nodeIPTimeout := deps.nodeIPTimeout
+	if nodeIPTimeout == 0 {
+		nodeIPTimeout = defaultNodeIPTimeout
+	}
+	primaryIPs := detectNodeIPs(ctx, client, name, o.BindAddress, nodeIPTimeout)
+	npAddrs := map[v1.IPFamily]*proxy.NodePortAddresses{}
+	for _, fam := range []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol} {
+		if npAddrs[fam], err = o.nodePortAddresses(fam, primaryIPs[fam]); err != nil {
+			return err
+		}
+		if _, ok := ipts[fam]; ok {
+			logNodePortAddresses(logger, npAddrs[fam])
+		}
+	}
+	// route_localnet (localnet.go): kproxy never sets it, but guards
+	// against it when someone did.
+	routeLocalnet := checkRouteLocalnet(ctx, procSysctl(deps), mode)
 	cleanupOtherMode(ctx, o, ipts)
 
 	var allEngines []*proxier.Engine
@@ -215,9 +239,13 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	if err != nil {
 		return err
 	}
+	// Health check node ports listen where node ports are served (every
+	// address when both families match all).
 	var hcPrefixes []netip.Prefix
-	for _, fam := range []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol} {
-		hcPrefixes = append(hcPrefixes, npPrefixes[fam]...)
+	if !npAddrs[v1.IPv4Protocol].MatchAll() || !npAddrs[v1.IPv6Protocol].MatchAll() {
+		for _, fam := range []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol} {
+			hcPrefixes = append(hcPrefixes, npAddrs[fam].Prefixes()...)
+		}
 	}
 	svcHealth := healthcheck.NewServiceHealthServer(healthcheck.ServiceHealthOptions{
 		NodePortAddresses: hcPrefixes, ProxyHealth: health, Logger: logger,
@@ -226,10 +254,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 
 	engines := map[v1.IPFamily]proxier.Proxier{}
 	for fam, i := range ipts {
-		var np []netip.Prefix
-		if len(o.NodePortAddresses) > 0 {
-			np = append([]netip.Prefix{}, npPrefixes[fam]...)
-		}
+		np := npAddrs[fam]
 		var backend proxier.Backend
 		if mode == ModeIPVS {
 			if backend, err = newIPVSBackend(o, ipvsK, i, np); err != nil {
@@ -239,7 +264,8 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 			bit := o.MasqueradeBit
 			b, err := iptbackend.New(iptbackend.Options{
 				IPTables: i, MasqueradeBit: &bit, NodePortAddresses: np, BatchChains: o.IPTablesBatchChain,
-				CanaryInterval: o.SyncPeriod,
+				CanaryInterval: o.SyncPeriod, RouteLocalnet: fam == v1.IPv4Protocol && routeLocalnet,
+				LocalAddresses: deps.localAddresses,
 			})
 			if err != nil {
 				return err
@@ -247,7 +273,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 			backend = ruleCountingBackend{b}
 		}
 		e, err := proxier.NewEngine(proxier.EngineOptions{
-			Family: fam, NodeName: name, Backend: backend,
+			Family: fam, NodeName: name, NodeIP: primaryIPs[fam], Backend: backend,
 			MinSyncPeriod: minSyncPeriod, SyncPeriod: syncPeriod, Logger: logger, WaitForNodes: true,
 			MasqueradeAll: o.MasqueradeAll, ClusterCIDR: cidrs[fam],
 			OnQueued: func(at time.Time) {
