@@ -51,6 +51,7 @@ const (
 	SetNodePortLocal    = "KPROXY-NODE-PORT-LOCAL"        // hash:ip,port: those with externalTrafficPolicy=Local
 	SetInternalDrop     = "KPROXY-INTERNAL-DROP"          // hash:ip,port: ClusterIPs of iTP=Local without local endpoints
 	SetExternalDrop     = "KPROXY-EXTERNAL-DROP"          // hash:ip,port: external destinations of eTP=Local without local endpoints
+	SetNodePortReject   = "KPROXY-NODE-PORT-REJECT"       // hash:ip,port: node ports without endpoints on local addresses outside --nodeport-addresses
 	SetHealthCheckNodeP = "KPROXY-HEALTH-CHECK-NODE-PORT" // hash:ip,port: node address,tcp:healthCheckNodePort
 	SetIPVSAddresses    = "KPROXY-IPVS-IPS"               // hash:ip: every address kproxy binds to the dummy device
 )
@@ -78,6 +79,7 @@ func IPVSSets() []IPVSSet {
 		{SetNodePortLocal, ipset.HashIPPort, "kproxy node address + node port with externalTrafficPolicy=Local"},
 		{SetInternalDrop, ipset.HashIPPort, "kproxy cluster IP + port without local endpoints (internalTrafficPolicy=Local)"},
 		{SetExternalDrop, ipset.HashIPPort, "kproxy external destination without local endpoints (externalTrafficPolicy=Local)"},
+		{SetNodePortReject, ipset.HashIPPort, "kproxy node port without endpoints on an address outside nodeport-addresses"},
 		{SetHealthCheckNodeP, ipset.HashIPPort, "kproxy node address + health check node port"},
 		{SetIPVSAddresses, ipset.HashIP, "kproxy addresses bound to the IPVS dummy device"},
 	}

@@ -68,6 +68,7 @@ const (
 	setNodePortLocal    = cleanup.SetNodePortLocal
 	setInternalDrop     = cleanup.SetInternalDrop
 	setExternalDrop     = cleanup.SetExternalDrop
+	setNodePortReject   = cleanup.SetNodePortReject
 	setHealthCheckNodeP = cleanup.SetHealthCheckNodeP
 	setIPVSAddresses    = cleanup.SetIPVSAddresses
 )

@@ -214,6 +214,21 @@ func (r *renderer) render(st *proxy.ServiceState) *servicePlan {
 			ipPort(setNodePort, a, np)
 			kindSets(proxy.DestNodePort, setNodePortLocal, setExternalDrop, a, np)
 		}
+		// The node port's drop or reject holds on every local address,
+		// also those that do not accept node ports (as iptables mode's
+		// "-m addrtype --dst-type LOCAL" rule).
+		if v := d.For(proxy.DestNodePort, proxy.SourceOther).Verdict; v == proxy.VerdictDrop || v == proxy.VerdictReject {
+			for _, a := range r.localAddrs {
+				if slices.Contains(r.nodePortAddrs, a) {
+					continue
+				}
+				if v == proxy.VerdictDrop {
+					ipPort(setExternalDrop, a, np)
+				} else {
+					ipPort(setNodePortReject, a, np)
+				}
+			}
+		}
 		if shortcuts(proxy.DestNodePort) && len(r.nodePortAddrs) > 0 {
 			p.shortcut = append(p.shortcut, comment(name+" node port")+" -m set --match-set "+r.set(setNodePortLocal)+" dst,dst "+
 				pm+strconv.Itoa(st.NodePort)+dnat)

@@ -100,6 +100,7 @@ func (b *Backend) renderRules(shortcut []string) *ipt.RuleSet {
 		chainInput: {
 			comment("kproxy cluster IPs without local endpoints (internalTrafficPolicy=Local)") + " " + match(setInternalDrop, "dst,dst") + " -j DROP",
 			comment("kproxy external destinations without local endpoints (externalTrafficPolicy=Local)") + " " + match(setExternalDrop, "dst,dst") + " -j DROP",
+			comment("kproxy node ports without endpoints on addresses outside nodeport-addresses") + " " + match(setNodePortReject, "dst,dst") + " -j REJECT",
 			comment("kproxy load balancer source ranges") + " -m conntrack --ctstate NEW " + match(setLoadBalancerFW, "dst,dst") + " -j " + chainSourceRanges,
 			comment("kproxy health check node ports") + " " + match(setHealthCheckNodeP, "dst,dst") + " -j ACCEPT",
 		},

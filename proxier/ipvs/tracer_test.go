@@ -363,13 +363,6 @@ var ipvsDeviations = []ipvsDeviation{
 			"connections to its ports that no Service uses (upstream's KUBE-IPVS-FILTER), where iptables mode " +
 			"leaves the packet to routing",
 	},
-	{
-		caseName: "node port without endpoints is rejected on every local address, selected or not", flowName: "address outside nodeport-addresses",
-		want: pt.NotHandled,
-		reason: "IPVS mode has node-port virtual servers (which reject without real servers) and set entries on the " +
-			"selected addresses only, as upstream's IPVS mode: on another local address the packet goes to the host " +
-			"(refused unless a host process listens on the port); rejecting it needs the plan to record the port",
-	},
 }
 
 func TestBehaviourCases(t *testing.T) {
