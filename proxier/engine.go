@@ -26,62 +26,12 @@ import (
 // partial syncs would do, as upstream kube-proxy does (one hour).
 const DefaultFullSyncPeriod = time.Hour
 
-// SyncResult describes one sync attempt, for metrics and health.
-type SyncResult struct {
-	Family   v1.IPFamily
-	Full     bool
-	Start    time.Time
-	Duration time.Duration
-	Err      error
-	// Services is the number of service ports programmed.
-	Services int
-	// NoLocalEndpointsInternal / External count service ports whose Local
-	// policy leaves them without an endpoint on this node.
-	NoLocalEndpointsInternal int
-	NoLocalEndpointsExternal int
-	// TriggerTimes are the EndpointSlice last-change-trigger-times this sync
-	// applied (network programming latency).
-	TriggerTimes []time.Time
-	// DeletedUDPClusterIPs and DeletedUDPEndpoints name conntrack entries
-	// that went stale with this sync.
-	DeletedUDPClusterIPs sets.Set[string]
-	DeletedUDPEndpoints  []proxy.ServiceEndpoint
-	// ServiceChanges and EndpointChanges count the services whose Service,
-	// respectively EndpointSlice, changes this sync applied.
-	ServiceChanges  int
-	EndpointChanges int
-	// HealthCheckServices holds, per service with a healthCheckNodePort
-	// (LoadBalancer with externalTrafficPolicy Local), that port and the
-	// number of distinct Ready endpoint IPs on this node, as of this sync.
-	HealthCheckServices map[types.NamespacedName]HealthCheckService
-	// RuleCounts is the backend's RuleCounts after a successful sync, nil
-	// when the sync failed or the backend is not a RuleCounter.
-	RuleCounts map[string]int
-	// RulesWritten is, by table, the rules the last successful sync wrote
-	// (a partial sync writes only what changed); nil when the sync failed or
-	// the backend is not a RulesWrittenCounter.
-	RulesWritten map[string]int
-}
-
-// HealthCheckService is one service's healthCheckNodePort and its local
-// endpoint count.
-type HealthCheckService struct {
-	Port           int
-	LocalEndpoints int
-}
-
-// RuleCounter is an optional Backend interface: the number of rules the
-// backend owns after its last successful sync, by table name ("nat",
-// "filter").
-type RuleCounter interface {
-	RuleCounts() map[string]int
-}
-
-// RulesWrittenCounter is an optional Backend interface: the rules the last
-// successful sync wrote, by table name.
-type RulesWrittenCounter interface {
-	RulesWritten() map[string]int
-}
+// SyncResult and HealthCheckService are the shared types of package proxy,
+// named here too for the engine's callers.
+type (
+	SyncResult         = proxy.SyncResult
+	HealthCheckService = proxy.HealthCheckService
+)
 
 // EngineOptions configures an Engine.
 type EngineOptions struct {
@@ -360,7 +310,7 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 		}
 	}
 	state := e.buildState(changed, full)
-	err := e.backend.Sync(ctx, state, full)
+	backendResult, err := e.backend.Sync(ctx, state, full)
 	result := SyncResult{
 		Family: e.opts.Family, Full: full, Start: start, Duration: e.clock.Since(start), Err: err,
 		Services: len(state.Services), DeletedUDPClusterIPs: svcResult.DeletedUDPClusterIPs,
@@ -369,11 +319,10 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 	result.ServiceChanges = svcResult.UpdatedServices.Len()
 	result.EndpointChanges = epResult.UpdatedServices.Len()
 	result.HealthCheckServices = e.healthCheckServices(state)
-	if rc, ok := e.backend.(RuleCounter); ok && err == nil {
-		result.RuleCounts = rc.RuleCounts()
-	}
-	if rw, ok := e.backend.(RulesWrittenCounter); ok && err == nil {
-		result.RulesWritten = rw.RulesWritten()
+	if err == nil {
+		result.Backend = backendResult
+		result.RuleCounts = backendResult.RuleCounts
+		result.RulesWritten = backendResult.RulesWritten
 	}
 	for _, st := range state.Services {
 		if st.Decisions.NoLocalEndpointsInternal {

@@ -1,6 +1,7 @@
 package proxier_test
 
 import (
+	"context"
 	"errors"
 	"maps"
 	"slices"
@@ -13,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/utils/ptr"
 
+	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
 )
@@ -22,11 +24,13 @@ import (
 // fixed filter rule.
 type countingBackend struct{ *fakeBackend }
 
-func (b countingBackend) RuleCounts() map[string]int {
-	return map[string]int{"nat": len(b.programmed()), "filter": 1}
+func (b countingBackend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (proxy.BackendResult, error) {
+	res, err := b.fakeBackend.Sync(ctx, state, full)
+	if err == nil {
+		res.RuleCounts = map[string]int{"nat": len(b.programmed()), "filter": 1}
+	}
+	return res, err
 }
-
-var _ proxier.RuleCounter = countingBackend{}
 
 func nn(name string) types.NamespacedName {
 	return types.NamespacedName{Namespace: pt.Namespace, Name: name}

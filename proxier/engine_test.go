@@ -82,9 +82,9 @@ func endpointStrings(eps []*proxy.Endpoint) []string {
 	return out
 }
 
-func (b *fakeBackend) Sync(ctx context.Context, state *proxy.NodeState, full bool) error {
+func (b *fakeBackend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (proxy.BackendResult, error) {
 	if err := state.Validate(); err != nil {
-		return err
+		return proxy.BackendResult{}, err
 	}
 	b.mu.Lock()
 	block := b.block
@@ -94,7 +94,7 @@ func (b *fakeBackend) Sync(ctx context.Context, state *proxy.NodeState, full boo
 		select {
 		case <-block:
 		case <-ctx.Done():
-			return ctx.Err()
+			return proxy.BackendResult{}, ctx.Err()
 		}
 	}
 
@@ -102,7 +102,7 @@ func (b *fakeBackend) Sync(ctx context.Context, state *proxy.NodeState, full boo
 	defer b.mu.Unlock()
 	if err := b.failNext; err != nil {
 		b.failNext = nil
-		return err
+		return proxy.BackendResult{}, err
 	}
 	given := &nodeState{Family: state.Family, Full: full, Services: map[string]svcState{}}
 	for name := range state.Changed {
@@ -135,7 +135,7 @@ func (b *fakeBackend) Sync(ctx context.Context, state *proxy.NodeState, full boo
 	case b.synced <- struct{}{}:
 	default:
 	}
-	return nil
+	return proxy.BackendResult{}, nil
 }
 
 // namespacedNameOf parses the "namespace/name" part of a service port name.

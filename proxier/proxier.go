@@ -27,7 +27,7 @@ type Backend interface {
 	// Sync makes the kernel match state. With full false only the services
 	// in state.Changed need rewriting; full true rewrites everything and
 	// removes what kproxy owns and no longer wants.
-	Sync(ctx context.Context, state *proxy.NodeState, full bool) error
+	Sync(ctx context.Context, state *proxy.NodeState, full bool) (proxy.BackendResult, error)
 	// Cleanup removes everything this backend ever created, idempotently.
 	Cleanup(ctx context.Context) error
 }

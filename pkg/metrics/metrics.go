@@ -20,7 +20,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
-	"github.com/kproxy/kproxy/proxier"
+	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
 const subsystem = "kubeproxy"
@@ -166,7 +166,7 @@ func (m *Metrics) SyncQueued(family v1.IPFamily, when time.Time) {
 // histograms; a failed one counts as a restore failure (and a partial
 // restore failure when partial); the rest is recorded only for successful
 // syncs, as kube-proxy does.
-func (m *Metrics) SyncDone(r proxier.SyncResult) {
+func (m *Metrics) SyncDone(r proxy.SyncResult) {
 	family := string(r.Family)
 	d := r.Duration.Seconds()
 	m.syncDuration.WithLabelValues(family).Observe(d)

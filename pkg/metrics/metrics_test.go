@@ -21,7 +21,7 @@ import (
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/kproxy/kproxy/pkg/healthcheck"
-	"github.com/kproxy/kproxy/proxier"
+	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
 var epoch = time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC)
@@ -148,8 +148,8 @@ func TestSyncMetrics(t *testing.T) {
 		want   float64
 	}
 	// syncAt is a successful result of a sync of family that started d ago.
-	syncAt := func(e *env, family v1.IPFamily, full bool, d time.Duration) proxier.SyncResult {
-		return proxier.SyncResult{Family: family, Full: full, Start: e.clock.Now().Add(-d), Duration: d}
+	syncAt := func(e *env, family v1.IPFamily, full bool, d time.Duration) proxy.SyncResult {
+		return proxy.SyncResult{Family: family, Full: full, Start: e.clock.Now().Add(-d), Duration: d}
 	}
 	for _, tc := range []struct {
 		name string
@@ -301,7 +301,7 @@ func TestSyncMetrics(t *testing.T) {
 // the network programming buckets to kube-proxy's.
 func TestHelpTextsAndBuckets(t *testing.T) {
 	e := newEnv(t)
-	e.m.SyncDone(proxier.SyncResult{Family: v4, Full: true, Duration: 3 * time.Millisecond})
+	e.m.SyncDone(proxy.SyncResult{Family: v4, Full: true, Duration: 3 * time.Millisecond})
 	const want = `
 # HELP kubeproxy_sync_full_proxy_rules_duration_seconds SyncProxyRules latency in seconds for full resyncs
 # TYPE kubeproxy_sync_full_proxy_rules_duration_seconds histogram
@@ -347,8 +347,8 @@ kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family="IPv4"} 1
 		"kubeproxy_proxy_livez_total":                                        "Cumulative proxy livez HTTP status",
 	}
 	// Make every vector export a sample so that its family is gathered.
-	e.m.SyncDone(proxier.SyncResult{Family: v4, RuleCounts: map[string]int{"nat": 1}, TriggerTimes: []time.Time{epoch}})
-	e.m.SyncDone(proxier.SyncResult{Family: v4, Err: errors.New("failed")})
+	e.m.SyncDone(proxy.SyncResult{Family: v4, RuleCounts: map[string]int{"nat": 1}, TriggerTimes: []time.Time{epoch}})
+	e.m.SyncDone(proxy.SyncResult{Family: v4, Err: errors.New("failed")})
 	e.m.SyncQueued(v4, epoch)
 	e.m.HealthzResponded(http.StatusOK)
 	e.m.LivezResponded(http.StatusOK)
@@ -420,7 +420,7 @@ func TestProbeCounters(t *testing.T) {
 
 func TestHandler(t *testing.T) {
 	e := newEnv(t)
-	e.m.SyncDone(proxier.SyncResult{Family: v4, Full: true, Duration: time.Millisecond})
+	e.m.SyncDone(proxy.SyncResult{Family: v4, Full: true, Duration: time.Millisecond})
 	for _, tc := range []struct {
 		path         string
 		wantCode     int
@@ -492,7 +492,7 @@ func TestServe(t *testing.T) {
 // TestNoGlobalState checks that two Metrics coexist and count apart.
 func TestNoGlobalState(t *testing.T) {
 	a, b := newEnv(t), newEnv(t)
-	a.m.SyncDone(proxier.SyncResult{Family: v4, ServiceChanges: 5})
+	a.m.SyncDone(proxy.SyncResult{Family: v4, ServiceChanges: 5})
 	if got := b.value(t, "kubeproxy_sync_proxy_rules_service_changes_total", nil); got != 0 {
 		t.Errorf("second registry counted %v service changes of the first", got)
 	}

@@ -6,24 +6,24 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 
-	"github.com/kproxy/kproxy/proxier"
+	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
 func TestIPTablesLastIsRulesWritten(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
-		result   proxier.SyncResult
+		result   proxy.SyncResult
 		wantLast string
 	}{
 		{
 			name: "backend reports rules written",
-			result: proxier.SyncResult{Family: v1.IPv4Protocol,
+			result: proxy.SyncResult{Family: v1.IPv4Protocol,
 				RuleCounts: map[string]int{"nat": 1000, "filter": 10}, RulesWritten: map[string]int{"nat": 12, "filter": 0}},
 			wantLast: `kubeproxy_sync_proxy_rules_iptables_last{ip_family="IPv4",table="nat"} 12`,
 		},
 		{
 			name:     "backend reports only rules owned",
-			result:   proxier.SyncResult{Family: v1.IPv4Protocol, RuleCounts: map[string]int{"nat": 1000, "filter": 10}},
+			result:   proxy.SyncResult{Family: v1.IPv4Protocol, RuleCounts: map[string]int{"nat": 1000, "filter": 10}},
 			wantLast: `kubeproxy_sync_proxy_rules_iptables_last{ip_family="IPv4",table="nat"} 1000`,
 		},
 	} {

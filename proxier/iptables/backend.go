@@ -130,14 +130,6 @@ func New(opts Options) (*Backend, error) {
 // LastSync returns the statistics of the last successful sync.
 func (b *Backend) LastSync() SyncStats { return b.last }
 
-// RulesWritten implements proxier.RulesWrittenCounter.
-func (b *Backend) RulesWritten() map[string]int {
-	return map[string]int{
-		string(ipt.TableNAT):    b.last.RulesWrittenByTable[ipt.TableNAT],
-		string(ipt.TableFilter): b.last.RulesWrittenByTable[ipt.TableFilter],
-	}
-}
-
 // localAddrs returns this family's local addresses.
 func (b *Backend) localAddrs() ([]netip.Addr, error) {
 	all, err := b.opts.LocalAddresses()
@@ -208,20 +200,20 @@ func (b *Backend) canaryIntact(ctx context.Context) (bool, error) {
 }
 
 // Sync implements proxier.Backend.
-func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) error {
+func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (proxy.BackendResult, error) {
 	logger := klog.FromContext(ctx)
 	if err := state.Validate(); err != nil {
-		return err
+		return proxy.BackendResult{}, err
 	}
 	if state.IsIPv6() != b.ipv6 {
-		return fmt.Errorf("iptables backend for %s given %s state", b.ipt.Protocol(), state.Family)
+		return proxy.BackendResult{}, fmt.Errorf("iptables backend for %s given %s state", b.ipt.Protocol(), state.Family)
 	}
 	full = full || !b.initialized
 	now := b.clock.Now()
 	if !full && now.Sub(b.lastCanary) >= b.opts.CanaryInterval {
 		ok, err := b.canaryIntact(ctx)
 		if err != nil {
-			return fmt.Errorf("checking canary chain: %w", err)
+			return proxy.BackendResult{}, fmt.Errorf("checking canary chain: %w", err)
 		}
 		b.lastCanary = now
 		if !ok {
@@ -232,13 +224,21 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) e
 	err := b.sync(ctx, state, full)
 	if err != nil {
 		b.initialized = false
-		return err
+		return proxy.BackendResult{}, err
 	}
 	if full {
 		b.initialized = true
 		b.lastCanary = now
 	}
-	return nil
+	st := b.last
+	return proxy.BackendResult{
+		RuleCounts: map[string]int{string(ipt.TableNAT): st.NATRules, string(ipt.TableFilter): st.FilterRules},
+		RulesWritten: map[string]int{
+			string(ipt.TableNAT):    st.RulesWrittenByTable[ipt.TableNAT],
+			string(ipt.TableFilter): st.RulesWrittenByTable[ipt.TableFilter],
+		},
+		ChainsWritten: st.ChainsWritten, ChainsDeleted: st.ChainsDeleted, KernelWrites: st.Restores, KernelTime: st.RestoreTime,
+	}, nil
 }
 
 func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, full bool) error {

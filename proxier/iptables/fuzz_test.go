@@ -62,7 +62,7 @@ func FuzzRender(f *testing.F) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := b.Sync(context.Background(), st, true); err != nil {
+		if _, err := b.Sync(context.Background(), st, true); err != nil {
 			t.Fatalf("sync: %v", err)
 		}
 		if cip == netip.MustParseAddr("10.0.0.1") || cip.IsLoopback() {

@@ -413,7 +413,11 @@ func TestRulesWrittenByTable(t *testing.T) {
 	h := newHarness(t, nil, Options{})
 	addServices(h, 10)
 	h.sync()
-	full := h.backend.RulesWritten()
+	byTable := func() map[string]int {
+		st := h.backend.LastSync()
+		return map[string]int{"nat": st.RulesWrittenByTable[ipt.TableNAT], "filter": st.RulesWrittenByTable[ipt.TableFilter]}
+	}
+	full := byTable()
 	if full["nat"] == 0 || full["filter"] == 0 {
 		t.Fatalf("full sync wrote %v rules, want some in nat and filter", full)
 	}
@@ -422,7 +426,7 @@ func TestRulesWrittenByTable(t *testing.T) {
 	h.engine.OnEndpointSliceUpdate(nil, sl)
 	h.sync()
 	// One service chain with its masquerade rule and two DNAT rules.
-	if got := h.backend.RulesWritten(); got["nat"] != 3 || got["filter"] != 0 {
+	if got := byTable(); got["nat"] != 3 || got["filter"] != 0 {
 		t.Errorf("one-endpoint partial sync wrote %v rules, want nat 3, filter 0", got)
 	}
 }

@@ -282,8 +282,7 @@ func ValidateScheduler(name string) error {
 // LastSync returns what the last sync did.
 func (b *Backend) LastSync() SyncStats { return b.last }
 
-// RuleCounts implements proxier.RuleCounter: the iptables rules IPVS mode
-// owns, by table.
+// RuleCounts are the iptables rules IPVS mode owns, by table.
 func (b *Backend) RuleCounts() map[string]int { return b.ruleCounts }
 
 // PendingTerminations is the number of real servers waiting at weight 0.
@@ -312,19 +311,19 @@ func (b *Backend) addresses(ctx context.Context) (local, nodePort []netip.Addr, 
 }
 
 // Sync implements proxier.Backend.
-func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) error {
+func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (proxy.BackendResult, error) {
 	if err := state.Validate(); err != nil {
-		return err
+		return proxy.BackendResult{}, err
 	}
 	if state.IsIPv6() != b.ipv6 {
-		return fmt.Errorf("ipvs backend for %s given %s state", b.ipt.Protocol(), state.Family)
+		return proxy.BackendResult{}, fmt.Errorf("ipvs backend for %s given %s state", b.ipt.Protocol(), state.Family)
 	}
 	logger := klog.FromContext(ctx)
 	start := b.clock.Now()
 	local, nodePort, err := b.addresses(ctx)
 	if err != nil {
 		b.initialized = false
-		return err
+		return proxy.BackendResult{}, err
 	}
 	full = full || !b.initialized || !slices.Equal(local, b.localAddrs) || !slices.Equal(nodePort, b.nodePortAddrs) ||
 		b.decisionOpts != state.Options
@@ -345,7 +344,7 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) e
 	b.last = st
 	if len(errs) > 0 {
 		b.initialized = false
-		return fmt.Errorf("ipvs sync (%d errors): %w", len(errs), errors.Join(errs...))
+		return proxy.BackendResult{}, fmt.Errorf("ipvs sync (%d errors): %w", len(errs), errors.Join(errs...))
 	}
 	if full {
 		b.initialized = true
@@ -354,7 +353,12 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) e
 		"virtualServers", st.VirtualServers, "servicesAdded", st.ServicesAdded, "servicesDeleted", st.ServicesDeleted,
 		"destinationsAdded", st.DestinationsAdded, "destinationsDeleted", st.DestinationsDeleted,
 		"entriesAdded", st.EntriesAdded, "entriesDeleted", st.EntriesDeleted, "terminating", st.Terminating)
-	return nil
+	return proxy.BackendResult{
+		RuleCounts: b.ruleCounts,
+		KernelWrites: st.ServicesAdded + st.ServicesUpdated + st.ServicesDeleted + st.DestinationsAdded + st.DestinationsUpdated +
+			st.DestinationsDeleted + st.EntriesAdded + st.EntriesDeleted + st.AddressesBound + st.AddressesUnbound + st.Restores,
+		KernelTime: st.Duration,
+	}, nil
 }
 
 // sysctls IPVS mode needs: conntrack for IPVS connections (iptables

@@ -151,9 +151,9 @@ func TestAfterSync(t *testing.T) {
 	}
 }
 
-// TestRuleCountingBackend checks that the rule counts come from the
-// iptables backend's last sync.
-func TestRuleCountingBackend(t *testing.T) {
+// TestBackendRuleCounts checks that the rule counts of a sync result come
+// from the iptables backend's last sync.
+func TestBackendRuleCounts(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	b, err := iptbackend.New(iptbackend.Options{
 		IPTables:       iptablestest.NewFake(ipt.ProtocolIPv4),
@@ -162,9 +162,10 @@ func TestRuleCountingBackend(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var rc proxier.RuleCounter = ruleCountingBackend{b}
+	var results []proxier.SyncResult
 	e, err := proxier.NewEngine(proxier.EngineOptions{
-		Family: v1.IPv4Protocol, NodeName: "node-a", Backend: rc.(proxier.Backend), SyncPeriod: time.Minute,
+		Family: v1.IPv4Protocol, NodeName: "node-a", Backend: b, SyncPeriod: time.Minute,
+		OnSync: func(r proxier.SyncResult) { results = append(results, r) },
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -178,7 +179,7 @@ func TestRuleCountingBackend(t *testing.T) {
 	}
 	st := b.LastSync()
 	want := map[string]int{"nat": st.NATRules, "filter": st.FilterRules}
-	if got := rc.RuleCounts(); !maps.Equal(got, want) || st.NATRules == 0 {
+	if got := results[len(results)-1].RuleCounts; !maps.Equal(got, want) || st.NATRules == 0 {
 		t.Errorf("rule counts = %v, want %v (from LastSync, nat non-zero)", got, want)
 	}
 }
@@ -213,5 +214,7 @@ func TestPendingChanges(t *testing.T) {
 
 type nopBackend struct{}
 
-func (nopBackend) Sync(context.Context, *proxy.NodeState, bool) error { return nil }
-func (nopBackend) Cleanup(context.Context) error                      { return nil }
+func (nopBackend) Sync(context.Context, *proxy.NodeState, bool) (proxy.BackendResult, error) {
+	return proxy.BackendResult{}, nil
+}
+func (nopBackend) Cleanup(context.Context) error { return nil }

@@ -270,7 +270,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 			if err != nil {
 				return err
 			}
-			backend = ruleCountingBackend{b}
+			backend = b
 		}
 		e, err := proxier.NewEngine(proxier.EngineOptions{
 			Family: fam, NodeName: name, NodeIP: primaryIPs[fam], Backend: backend,
@@ -343,15 +343,6 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	factories.Shutdown()
 	logger.Info("kproxy stopped; rules stay in place until the next kproxy or --cleanup")
 	return nil
-}
-
-// ruleCountingBackend adds proxier.RuleCounter to the iptables backend,
-// from the statistics of its last successful sync.
-type ruleCountingBackend struct{ *iptbackend.Backend }
-
-func (b ruleCountingBackend) RuleCounts() map[string]int {
-	st := b.LastSync()
-	return map[string]int{string(ipt.TableNAT): st.NATRules, string(ipt.TableFilter): st.FilterRules}
 }
 
 // afterSync feeds one sync result to the metrics, the proxy health and the
