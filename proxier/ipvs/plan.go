@@ -255,11 +255,11 @@ func (r *renderer) render(st *proxy.ServiceState) *servicePlan {
 	return p
 }
 
-// clusterRules spread new connections evenly over st's cluster endpoints
-// of this family.
+// clusterRules spread new connections evenly over the endpoints of the
+// short circuit (the cluster endpoints) of this family.
 func (r *renderer) clusterRules(st *proxy.ServiceState, lp string) []string {
 	var eps []netip.AddrPort
-	for _, ep := range st.ClusterEndpoints {
+	for _, ep := range st.Endpoints(proxy.SelectCluster) {
 		if ep.IP.Is6() == r.ipv6 && ep.Port > 0 && ep.Port < 65536 {
 			eps = append(eps, netip.AddrPortFrom(ep.IP, uint16(ep.Port)))
 		}
