@@ -661,28 +661,40 @@ func (b *Backend) partialSync(ctx context.Context, state *proxy.NodeState, r *re
 	var ensure []*virtualServer
 	var remove []vsKey
 	shortcutChanged := false
-	for _, name := range touched {
-		old := b.plans[name]
-		var p *servicePlan
+	plans := make([]*servicePlan, len(touched))
+	for i, name := range touched {
 		if s, ok := state.Services[name]; ok {
-			if p = r.render(s); p == nil {
+			if plans[i] = r.render(s); plans[i] == nil {
 				logger.V(2).Info("Skipping service port with a protocol IPVS cannot carry", "servicePort", name.String())
 			}
 		}
 		var oldShortcut, newShortcut []string
 		var oldChains, newChains map[string][]string
-		if old != nil {
+		if old := b.plans[name]; old != nil {
 			oldShortcut, oldChains = old.shortcut, old.chains
-			remove = append(remove, b.removePlan(name, old, addrs, entries)...)
-			delete(b.plans, name)
 		}
-		if p != nil {
+		if p := plans[i]; p != nil {
 			newShortcut, newChains = p.shortcut, p.chains
-			ensure = append(ensure, b.addPlan(ctx, name, p, addrs, entries)...)
-			b.plans[name] = p
 		}
 		if !slices.Equal(oldShortcut, newShortcut) || !maps.EqualFunc(oldChains, newChains, slices.Equal) {
 			shortcutChanged = true
+		}
+	}
+	// Every old plan goes before any new one comes: a virtual server that
+	// passes from one touched service port to another in this sync (a
+	// renamed port, a node port or an ExternalIP moved) must find its old
+	// owner gone, or addPlan would take it for contested and the new owner
+	// would lose it until a full sync.
+	for _, name := range touched {
+		if old := b.plans[name]; old != nil {
+			remove = append(remove, b.removePlan(name, old, addrs, entries)...)
+			delete(b.plans, name)
+		}
+	}
+	for i, name := range touched {
+		if p := plans[i]; p != nil {
+			ensure = append(ensure, b.addPlan(ctx, name, p, addrs, entries)...)
+			b.plans[name] = p
 		}
 	}
 

@@ -1,0 +1,6 @@
+//go:build !race
+
+package proxiertest
+
+// raceEnabled: built with -race, which slows the fakes down several times.
+const raceEnabled = false
