@@ -133,8 +133,7 @@ func (p *propertyTracer) SimulateConnections(r *rand.Rand) error {
 func propertyFactory(t *testing.T, env pt.Env) (proxier.Backend, pt.Tracer) {
 	k := newFakeKernel(t, env.Family, env.NodeIPs)
 	clock := testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))
-	b := k.backend(t, Options{MasqueradeAll: env.MasqueradeAll, ClusterCIDR: env.ClusterCIDR,
-		NodePortAddresses: env.NodePortAddresses, Clock: clock})
+	b := k.backend(t, Options{NodePortAddresses: env.NodePortAddresses, Clock: clock})
 	return b, &propertyTracer{tracer: tracer{k}, clock: clock}
 }
 

@@ -180,6 +180,7 @@ func newPropertyEngine(t *testing.T, env Env, backend proxier.Backend, onSync fu
 	t.Helper()
 	e, err := proxier.NewEngine(proxier.EngineOptions{
 		Family: env.Family, NodeName: env.NodeName, Backend: backend,
+		MasqueradeAll: env.MasqueradeAll, ClusterCIDR: env.ClusterCIDR, NodeIP: env.NodeIPs[0],
 		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second,
 		Clock:  testingclock.NewFakeClock(time.Unix(1_700_000_000, 0)),
 		OnSync: onSync,

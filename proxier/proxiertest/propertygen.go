@@ -85,7 +85,11 @@ func (g *generator) env() Env {
 		e.MasqueradeAll = true
 	}
 	if g.r.IntN(6) == 0 {
-		e.NodePortAddresses = []netip.Prefix{netip.MustParsePrefix("10.0.0.0/24")}
+		npa, err := proxy.NewNodePortAddresses(v1.IPv4Protocol, []string{"10.0.0.0/24"}, e.NodeIPs[0])
+		if err != nil {
+			panic(fmt.Sprintf("a constant --nodeport-addresses value: %v", err))
+		}
+		e.NodePortAddresses = npa
 	}
 	return e
 }
