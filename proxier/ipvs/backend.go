@@ -466,8 +466,10 @@ func (b *Backend) addPlan(ctx context.Context, name proxy.ServicePortName, p *se
 	for _, v := range p.vs {
 		k := keyOf(&v.svc)
 		if other, ok := b.vsOwner[k]; ok && other != name {
-			klog.FromContext(ctx).Error(nil, "Two service ports want the same IPVS virtual server; keeping the first",
-				"virtualServer", k, "kept", other.String(), "ignored", name.String())
+			// A full sync adds plans in name order, so the first by name
+			// keeps it; a partial sync calls resolveContested afterwards.
+			klog.FromContext(ctx).Error(nil, "Two service ports want the same IPVS virtual server; the first by name gets it",
+				"virtualServer", k, "servicePorts", []string{other.String(), name.String()})
 			b.contested[k] = true
 			continue
 		}
@@ -505,14 +507,52 @@ func (b *Backend) removePlan(name proxy.ServicePortName, p *servicePlan, addrs *
 	return owned
 }
 
+// resolveContested gives each contested virtual server of keys to the
+// first, by name, of the service ports whose plans want it (as a full
+// sync, which adds plans in name order, does) and forgets the contest once
+// one service port or none wants it. It returns the virtual servers that
+// changed owner.
+func (b *Backend) resolveContested(keys map[vsKey]bool) []*virtualServer {
+	var moved []*virtualServer
+	for k := range keys {
+		if !b.contested[k] {
+			continue
+		}
+		var owner proxy.ServicePortName
+		var want *virtualServer
+		claimants := 0
+		for name, p := range b.plans {
+			for _, v := range p.vs {
+				if keyOf(&v.svc) == k {
+					claimants++
+					if want == nil || lessPortName(name, owner) {
+						owner, want = name, v
+					}
+				}
+			}
+		}
+		if claimants < 2 {
+			delete(b.contested, k)
+		}
+		if want == nil || b.vsWanted[k] == want {
+			continue
+		}
+		b.vsOwner[k], b.vsWanted[k] = owner, want
+		moved = append(moved, want)
+	}
+	return moved
+}
+
+func lessPortName(a, b proxy.ServicePortName) bool {
+	return a.String()+"/"+string(a.Protocol) < b.String()+"/"+string(b.Protocol)
+}
+
 func sortedNames[V any](m map[proxy.ServicePortName]V) []proxy.ServicePortName {
 	names := make([]proxy.ServicePortName, 0, len(m))
 	for n := range m {
 		names = append(names, n)
 	}
-	sort.Slice(names, func(i, j int) bool {
-		return names[i].String()+"/"+string(names[i].Protocol) < names[j].String()+"/"+string(names[j].Protocol)
-	})
+	sort.Slice(names, func(i, j int) bool { return lessPortName(names[i], names[j]) })
 	return names
 }
 
@@ -685,18 +725,29 @@ func (b *Backend) partialSync(ctx context.Context, state *proxy.NodeState, r *re
 	// renamed port, a node port or an ExternalIP moved) must find its old
 	// owner gone, or addPlan would take it for contested and the new owner
 	// would lose it until a full sync.
+	claimed := map[vsKey]bool{} // every virtual server the touched plans want or wanted
 	for _, name := range touched {
 		if old := b.plans[name]; old != nil {
+			for _, v := range old.vs {
+				claimed[keyOf(&v.svc)] = true
+			}
 			remove = append(remove, b.removePlan(name, old, addrs, entries)...)
 			delete(b.plans, name)
 		}
 	}
 	for i, name := range touched {
 		if p := plans[i]; p != nil {
+			for _, v := range p.vs {
+				claimed[keyOf(&v.svc)] = true
+			}
 			ensure = append(ensure, b.addPlan(ctx, name, p, addrs, entries)...)
 			b.plans[name] = p
 		}
 	}
+	// A virtual server several service ports want goes to the first by
+	// name, whichever of them this sync touched.
+	ensure = append(ensure, b.resolveContested(claimed)...)
+	ensure = slices.DeleteFunc(ensure, func(v *virtualServer) bool { return b.vsWanted[keyOf(&v.svc)] != v })
 
 	var errs []error
 	fail := func(err error) { errs = append(errs, err) }
@@ -728,11 +779,6 @@ func (b *Backend) partialSync(ctx context.Context, state *proxy.NodeState, r *re
 			continue // now wanted by the same or another service port
 		}
 		touchedVS[k] = true
-		if b.contested[k] {
-			// Another service port may want it: let a full sync decide.
-			delete(b.contested, k)
-			b.initialized = false
-		}
 		if err := b.deleteVS(ctx, &ipvs.Service{Address: k.addr, Protocol: k.proto, Port: k.port, Scheduler: b.opts.Scheduler}, st); err != nil &&
 			!errors.Is(err, ipvs.ErrNotExist) {
 			fail(err)

@@ -139,7 +139,7 @@ func propertyFactory(t *testing.T, env pt.Env) (proxier.Backend, pt.Tracer) {
 
 // propertyOptions: IPVS mode's tracer copies the ruleset for every flow, so
 // fewer flows are traced per step than in iptables mode.
-var propertyOptions = pt.PropertyOptions{FlowsPerStep: 8}
+var propertyOptions = pt.PropertyOptions{FlowsPerStep: 4}
 
 // TestPartialSyncMatchesFullSync: after every batch of random changes, the
 // kernel state that partial syncs left is the one a full sync of the same

@@ -119,14 +119,15 @@ func RunScenario(t *testing.T, sc Scenario, factory Factory, opts PropertyOption
 	if os.Getenv("KPROXY_PROPERTY_SHRINK") == "1" {
 		opts.Shrink = true
 	}
-	f := runScenario(t, sc, factory, opts)
+	f, summary := runScenario(t, sc, factory, opts)
 	if f == nil {
+		t.Logf("%s: %s", sc.Name, summary)
 		return
 	}
 	msg := f.report(sc)
 	if opts.Shrink {
 		small := shrink(t, sc, factory, opts)
-		if g := runScenario(t, small, factory, opts); g != nil {
+		if g, _ := runScenario(t, small, factory, opts); g != nil {
 			msg += "\n\nsmallest failing scenario found:\n" + describeScenario(small) + "\n" + g.detail
 		}
 	} else {
@@ -194,8 +195,9 @@ func newPropertyEngine(t *testing.T, env Env, backend proxier.Backend, onSync fu
 	return e
 }
 
-// runScenario runs sc and returns its first failure, nil when it passes.
-func runScenario(t *testing.T, sc Scenario, factory Factory, opts PropertyOptions) *failure {
+// runScenario runs sc and returns its first failure, nil when it passes,
+// and a summary of what it exercised.
+func runScenario(t *testing.T, sc Scenario, factory Factory, opts PropertyOptions) (*failure, string) {
 	t.Helper()
 	ctx := context.Background()
 	backendA, tracerA := factory(t, sc.Env)
@@ -226,7 +228,7 @@ func runScenario(t *testing.T, sc Scenario, factory Factory, opts PropertyOption
 			w.apply(c, engineA)
 		}
 		if err := engineA.SyncRules(ctx); err != nil {
-			return &failure{step, fmt.Sprintf("partial sync failed: %v", err)}
+			return &failure{step, fmt.Sprintf("partial sync failed: %v", err)}, ""
 		}
 
 		backendB, tracerB := factory(t, sc.Env)
@@ -236,15 +238,15 @@ func runScenario(t *testing.T, sc Scenario, factory Factory, opts PropertyOption
 		engineB.OnEndpointSlicesSynced()
 		engineB.OnNodeSynced()
 		if err := engineB.SyncRules(ctx); err != nil {
-			return &failure{step, fmt.Sprintf("full sync of the same objects failed: %v", err)}
+			return &failure{step, fmt.Sprintf("full sync of the same objects failed: %v", err)}, ""
 		}
 		dumpA, err := dumperA.DumpState()
 		if err != nil {
-			return &failure{step, fmt.Sprintf("dumping the partially synced state: %v", err)}
+			return &failure{step, fmt.Sprintf("dumping the partially synced state: %v", err)}, ""
 		}
 		dumpB, err := tracerB.(StateDumper).DumpState()
 		if err != nil {
-			return &failure{step, fmt.Sprintf("dumping the fully synced state: %v", err)}
+			return &failure{step, fmt.Sprintf("dumping the fully synced state: %v", err)}, ""
 		}
 
 		for _, f := range flowsOf(w, sc.Env) {
@@ -279,19 +281,19 @@ func runScenario(t *testing.T, sc Scenario, factory Factory, opts PropertyOption
 			if len(verdicts) > 0 {
 				fmt.Fprintf(&b, "flows traced differently:\n%s\n", strings.Join(verdicts, "\n"))
 			}
-			return &failure{step, b.String()}
+			return &failure{step, b.String()}, ""
 		}
 		if sim, ok := tracerA.(ConnectionSimulator); ok {
 			if err := sim.SimulateConnections(r); err != nil {
-				t.Fatalf("simulating connections: %v", err)
+				return &failure{step, fmt.Sprintf("simulating connections: %v", err)}, ""
 			}
 		}
 	}
-	t.Logf("%s: %d steps, %d partial syncs, %d destinations seen, traced verdicts %v", sc.Name, len(sc.Batches), partial, len(seen), verdictCounts)
+	summary := fmt.Sprintf("%d steps, %d partial syncs, %d destinations seen, traced verdicts %v", len(sc.Batches), partial, len(seen), verdictCounts)
 	if len(sc.Batches) > 3 && partial == 0 {
-		return &failure{len(sc.Batches) - 1, "no sync of the engine under test was partial: the scenario tests nothing"}
+		return &failure{len(sc.Batches) - 1, "no sync of the engine under test was partial: the scenario tests nothing"}, summary
 	}
-	return nil
+	return nil, summary
 }
 
 func sortedFlows(m map[flowKey]Flow) []Flow {
@@ -388,9 +390,10 @@ func shrink(t *testing.T, sc Scenario, factory Factory, opts PropertyOptions) Sc
 	attempts := 0
 	fails := func(c Scenario) bool {
 		attempts++
-		return runScenario(t, c, factory, opts) != nil
+		f, _ := runScenario(t, c, factory, opts)
+		return f != nil
 	}
-	if f := runScenario(t, sc, factory, opts); f != nil {
+	if f, _ := runScenario(t, sc, factory, opts); f != nil {
 		sc.Batches = sc.Batches[:f.step+1]
 	}
 	for progress := true; progress && attempts < 2000; {

@@ -49,5 +49,27 @@ func PropertyRegressions() []Scenario {
 				},
 			},
 		},
+		{
+			// Two services claim one ExternalIP and port (the API server
+			// allows it): the first by name gets it, whatever the order
+			// they came in, and the other gets it when the first lets go.
+			Name: "two services claim one external IP and port",
+			Env:  env,
+			Batches: [][]Change{
+				{
+					{Service: Service("b", "10.96.0.11", ExternalIPs("203.0.113.7"))},
+					{Slice: Slice("b", 8080, EP{IP: remoteEP, Node: "node-b"})},
+					{Slice: Slice("a", 8080, EP{IP: otherEP, Node: "node-c"})},
+					{Slice: Slice("c", 8080, EP{IP: localEP, Node: "node-a"})},
+				},
+				{{Service: Service("c", "10.96.0.13", ExternalIPs("203.0.113.7"))}},
+				{{Service: Service("a", "10.96.0.12", ExternalIPs("203.0.113.7"))}},
+				{{Slice: Slice("a", 8080, EP{IP: otherEP, Node: "node-c"}, EP{IP: "10.244.3.6", Node: "node-c"})}},
+				{{Service: Service("a", "10.96.0.12")}},
+				{{Service: Service("b", "10.96.0.11", ExternalIPs("203.0.113.7"), Ports(tcp("p", 81, 0)))}},
+				{{Service: Service("a", "10.96.0.12", ExternalIPs("203.0.113.7"))}, {Service: Service("b", "10.96.0.11", ExternalIPs("203.0.113.7"))}},
+				{{Service: Service("a", "10.96.0.12"), Delete: true}, {Service: Service("c", "10.96.0.13"), Delete: true}},
+			},
+		},
 	}
 }

@@ -19,17 +19,21 @@ import (
 // 10.0.1.1 too); nodes node-a..node-d host pods in 10.244.1.0/24 ..
 // 10.244.4.0/24. Service slot i has ClusterIPs 10.96.<i+1>.x, ports
 // 1000*(i+1)+k, node ports 30000+100*i+k and health check node port
-// 32000+i, so that no two slots ever want the same (address, protocol,
-// port); ExternalIPs (203.0.113.1-3) and load balancer IPs
-// (203.0.113.10-12) are shared between slots, at the slots' own ports.
-// Filler services (10.97.0.0/16, endpoints 10.244.5.0/24 on node-b) push
-// the dispatch chains past their flat size. Only fakes see these addresses.
+// 32000+i. ExternalIPs (203.0.113.1-3) and load balancer IPs
+// (203.0.113.10-12) are shared between slots, at the slots' own ports, so
+// that slots do not compete for an (address, protocol, port), except now
+// and then: a port may be sharedPort in any slot, and two services with
+// the same ExternalIP or load balancer IP then claim one destination (the
+// API server allows it). Filler services (10.97.0.0/16, endpoints
+// 10.244.5.0/24 on node-b) push the dispatch chains past their flat size.
+// Only fakes see these addresses.
 const (
 	propertySlots = 8
 	fillerStep    = 35
 	fillerMax     = 70
 	deniedClient  = "198.51.100.200"
 	topoKeyLabel  = "zone1"
+	sharedPort    = 9000
 )
 
 var (
@@ -256,6 +260,9 @@ func fixPortNames(s *v1.Service) {
 func (g *generator) freePort(i int, s *v1.Service, proto v1.Protocol) int32 {
 	for {
 		port := int32(1000*(i+1) + g.r.IntN(6))
+		if g.chance(15) {
+			port = sharedPort
+		}
 		if !slices.ContainsFunc(s.Spec.Ports, func(p v1.ServicePort) bool { return p.Port == port && p.Protocol == proto }) {
 			return port
 		}
