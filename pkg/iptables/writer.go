@@ -183,22 +183,36 @@ func (s *section) appendTo(buf *bytes.Buffer, st *WriteStats) {
 	}
 }
 
-// plannedRestore is the input of one iptables-restore run.
+// plannedRestore is one iptables-restore run. Its text is rendered when it
+// runs (or is asked for), one restore at a time: a full sync's text is tens
+// of megabytes at 10,000 services, and holding every batch at once would
+// raise the peak memory by as much.
 type plannedRestore struct {
-	data  []byte
-	stats WriteStats
+	sections []section
 }
 
-func newRestore(sections []section) plannedRestore {
-	var r plannedRestore
-	var buf bytes.Buffer
-	for i := range sections {
-		sections[i].appendTo(&buf, &r.stats)
+func newRestore(sections []section) plannedRestore { return plannedRestore{sections: sections} }
+
+// empty reports whether the restore would write nothing.
+func (r plannedRestore) empty() bool {
+	for i := range r.sections {
+		if !r.sections[i].empty() {
+			return false
+		}
 	}
-	r.data = buf.Bytes()
-	r.stats.Restores = 1
-	r.stats.Bytes = len(r.data)
-	return r
+	return true
+}
+
+// render returns the restore's input and what it writes.
+func (r plannedRestore) render() ([]byte, WriteStats) {
+	var st WriteStats
+	var buf bytes.Buffer
+	for i := range r.sections {
+		r.sections[i].appendTo(&buf, &st)
+	}
+	st.Restores = 1
+	st.Bytes = buf.Len()
+	return buf.Bytes(), st
 }
 
 // Plan is the iptables-restore input of one write: one or more restores,
@@ -218,7 +232,8 @@ type Plan struct {
 func (p *Plan) String() string {
 	var b strings.Builder
 	for _, r := range p.restores {
-		b.Write(r.data)
+		data, _ := r.render()
+		b.Write(data)
 	}
 	return b.String()
 }
@@ -227,7 +242,8 @@ func (p *Plan) String() string {
 func (p *Plan) Restores() []string {
 	out := make([]string, 0, len(p.restores))
 	for _, r := range p.restores {
-		out = append(out, string(r.data))
+		data, _ := r.render()
+		out = append(out, string(data))
 	}
 	return out
 }
@@ -240,7 +256,8 @@ func (p *Plan) Empty() bool { return len(p.restores) == 0 }
 func (p *Plan) Stats() WriteStats {
 	var st WriteStats
 	for _, r := range p.restores {
-		st.add(r.stats)
+		_, rs := r.render()
+		st.add(rs)
 	}
 	return st
 }
@@ -250,12 +267,13 @@ func (p *Plan) Stats() WriteStats {
 func (p *Plan) apply(ctx context.Context, iface Interface) (WriteStats, error) {
 	var st WriteStats
 	for _, r := range p.restores {
-		st.add(r.stats)
+		data, rs := r.render()
+		st.add(rs)
 		start := time.Now()
-		err := iface.Restore(ctx, r.data)
+		err := iface.Restore(ctx, data)
 		st.RestoreTime += time.Since(start)
 		if err != nil {
-			return st, fmt.Errorf("iptables-restore (%d bytes): %w", len(r.data), err)
+			return st, fmt.Errorf("iptables-restore (%d bytes): %w", len(data), err)
 		}
 	}
 	return st, nil
@@ -422,7 +440,7 @@ func (w *Writer) Plan(ctx context.Context, rs *RuleSet, full bool) (*Plan, error
 			batch, batched = nil, 0
 		}
 	}
-	if last := newRestore(w.sections(batch, shared, p.deleted)); len(last.data) > 0 {
+	if last := newRestore(w.sections(batch, shared, p.deleted)); !last.empty() {
 		p.restores = append(p.restores, last)
 	}
 	return p, nil
