@@ -51,7 +51,7 @@ type Options struct {
 // the other mode's chains (IsIPVSChain, IsIPTablesChain) to clear its
 // leftovers.
 func RemoveChains(ctx context.Context, iface ipt.Interface, owned func(chain string) bool) error {
-	tables := []ipt.Table{ipt.TableNAT, ipt.TableFilter}
+	tables := []ipt.Table{ipt.TableNAT, ipt.TableFilter, ipt.TableMangle}
 	_, err := ipt.RemoveChains(ctx, iface, tables, func(_ ipt.Table, chain string) bool { return owned(chain) })
 	return err
 }

@@ -224,6 +224,7 @@ func New(opts Options) (*Backend, error) {
 	}
 	writer, err := ipt.NewWriter(ipt.WriterOptions{
 		IPTables: opts.IPTables,
+		Tables:   ipvsTables,
 		Owned:    func(_ ipt.Table, chain string) bool { return cleanup.IsIPVSChain(chain) },
 	})
 	if err != nil {

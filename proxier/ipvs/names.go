@@ -35,6 +35,9 @@ const (
 	chainInput        = ChainPrefix + "INPUT"         // drops before IPVS (LOCAL_IN runs after filter INPUT)
 	chainSourceRanges = ChainPrefix + "SOURCE-RANGES" // loadBalancerSourceRanges
 	chainForward      = ChainPrefix + "FORWARD"
+	// mangle
+	chainNodeFirewall    = ChainPrefix + "NODE-FW"     // from OUTPUT: the node's own traffic to LB IPs with source ranges
+	chainNodeFirewallSrc = ChainPrefix + "NODE-FW-SRC" // allowed sources return, the rest is dropped
 	// chainFilter rejects new connections to an address on the dummy
 	// device at a port no Service uses (upstream's KUBE-IPVS-FILTER): the
 	// VIPs are local addresses, so a host process listening on a wildcard

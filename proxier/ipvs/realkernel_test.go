@@ -644,11 +644,10 @@ func TestRealKernelPolicies(t *testing.T) {
 			}
 		}
 		if len(served) > 0 {
-			// Known gap: IPVS takes the node's own packets at LOCAL_OUT,
-			// after nat OUTPUT and before any filter chain, so the source
-			// range check in filter INPUT (KPROXY-IPVS-SOURCE-RANGES) never
-			// sees them. Make this an error once the backend drops them.
-			t.Skipf("KNOWN GAP, the node outside the source ranges is served: %s", strings.Join(served, "; "))
+			// IPVS takes the node's own packets at LOCAL_OUT, after nat
+			// OUTPUT and before any filter chain: the check is in mangle
+			// OUTPUT (KPROXY-IPVS-NODE-FW), since filter INPUT never sees them.
+			t.Errorf("the node outside the source ranges is served: %s", strings.Join(served, "; "))
 		}
 	})
 }

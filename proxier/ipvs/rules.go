@@ -15,12 +15,19 @@ var jumpRules = []ipt.JumpRule{
 	ipt.Jump(ipt.TableFilter, ipt.ChainInput, "kproxy ipvs input filter", chainInput),
 	ipt.Jump(ipt.TableFilter, ipt.ChainInput, "kproxy ipvs access filter", chainFilter),
 	ipt.Jump(ipt.TableFilter, ipt.ChainForward, "kproxy ipvs forwarding rules", chainForward),
+	ipt.Jump(ipt.TableMangle, ipt.ChainOutput, "kproxy ipvs node firewall", chainNodeFirewall),
 }
+
+// ipvsTables are the tables IPVS mode writes. mangle holds one check: IPVS
+// takes the node's own packets at LOCAL_OUT, after mangle and nat OUTPUT
+// and before any filter chain, so loadBalancerSourceRanges are enforced
+// for them there (the filter INPUT check never sees them).
+var ipvsTables = []ipt.Table{ipt.TableNAT, ipt.TableFilter, ipt.TableMangle}
 
 // ruleCounts counts the rules of rs and the hooks, by table.
 func ruleCounts(rs *ipt.RuleSet) map[string]int {
 	out := map[string]int{}
-	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
+	for _, table := range ipvsTables {
 		out[string(table)] = rs.RuleCount(table)
 	}
 	for _, j := range jumpRules {
@@ -133,7 +140,21 @@ func (b *Backend) renderRules(shortcut []string) *ipt.RuleSet {
 			nat[c] = rules
 		}
 	}
-	return &ipt.RuleSet{Shared: map[ipt.Table]map[string][]string{ipt.TableNAT: nat, ipt.TableFilter: filter}}
+	// The node's own new connections to a LoadBalancer IP with source
+	// ranges, from a source the ranges do not allow, are dropped before
+	// IPVS takes them (see ipvsTables).
+	mangle := map[string][]string{
+		chainNodeFirewall: {
+			comment("kproxy load balancer IPs with source ranges, from this node") + " -m conntrack --ctstate NEW " +
+				match(setLoadBalancerFW, "dst,dst") + " -j " + chainNodeFirewallSrc,
+		},
+		chainNodeFirewallSrc: {
+			comment("kproxy allowed source ranges") + " " + match(setLBSourceCIDR, "dst,dst,src") + " -j RETURN",
+			comment("kproxy node reaching its own load balancer IP") + " " + match(setLBSourceIP, "dst,dst,src") + " -j RETURN",
+			comment("kproxy load balancer traffic from other sources") + " -j DROP",
+		},
+	}
+	return &ipt.RuleSet{Shared: map[ipt.Table]map[string][]string{ipt.TableNAT: nat, ipt.TableFilter: filter, ipt.TableMangle: mangle}}
 }
 
 // writeRules writes the chains of rs that differ from what was last

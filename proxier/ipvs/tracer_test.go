@@ -45,7 +45,7 @@ func newFakeKernel(t testing.TB, family v1.IPFamily, nodeIPs []netip.Addr) *fake
 	k.ipt = iptablestest.NewFake(proto)
 	k.ipt.RandomFully = true
 	k.sets.Referenced = func(name string) bool {
-		for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
+		for _, table := range ipvsTables {
 			for _, c := range k.ipt.Chains(table) {
 				for _, r := range k.ipt.Rules(table, ipt.Chain(c)) {
 					if strings.Contains(r+" ", "--match-set "+name+" ") {
@@ -271,7 +271,7 @@ func (tr *tracer) scratch(mark uint32) (*iptablestest.Fake, error) {
 	ctx := context.Background()
 	out := iptablestest.NewFake(tr.k.ipt.Protocol())
 	out.RandomFully = tr.k.ipt.RandomFully
-	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
+	for _, table := range ipvsTables {
 		data, err := tr.k.ipt.SaveInto(ctx, table)
 		if err != nil {
 			return nil, err
