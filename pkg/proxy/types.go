@@ -5,8 +5,10 @@
 package proxy
 
 import (
+	"cmp"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strconv"
 
 	v1 "k8s.io/api/core/v1"
@@ -27,6 +29,23 @@ func (n ServicePortName) String() string {
 		return n.NamespacedName.String()
 	}
 	return n.NamespacedName.String() + ":" + n.Port
+}
+
+// Compare orders service port names by namespace, name, port name and
+// protocol: -1, 0 or +1.
+func (n ServicePortName) Compare(o ServicePortName) int {
+	return cmp.Or(cmp.Compare(n.Namespace, o.Namespace), cmp.Compare(n.Name, o.Name),
+		cmp.Compare(n.Port, o.Port), cmp.Compare(n.Protocol, o.Protocol))
+}
+
+// SortedServicePortNames returns the keys of m in Compare order.
+func SortedServicePortNames[V any](m map[ServicePortName]V) []ServicePortName {
+	names := make([]ServicePortName, 0, len(m))
+	for n := range m {
+		names = append(names, n)
+	}
+	slices.SortFunc(names, ServicePortName.Compare)
+	return names
 }
 
 // ServicePort is everything the dataplane needs to know about one port of one

@@ -277,7 +277,7 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, full bool) e
 	}
 	// Each service port's chains are one group (they jump to each other);
 	// the writer leaves out what did not change since its last write.
-	names := sortedNames(next)
+	names := proxy.SortedServicePortNames(next)
 	rules := ipt.NewRuleSet()
 	for _, name := range names {
 		chains := next[name].natChains
@@ -311,28 +311,6 @@ func isBaseChain(table ipt.Table, chain string) bool {
 		}
 	}
 	return false
-}
-
-func sortedNames(m map[proxy.ServicePortName]*renderedService) []proxy.ServicePortName {
-	names := make([]proxy.ServicePortName, 0, len(m))
-	for n := range m {
-		names = append(names, n)
-	}
-	sort.Slice(names, func(i, j int) bool { return lessName(names[i], names[j]) })
-	return names
-}
-
-func lessName(a, b proxy.ServicePortName) bool {
-	if a.Namespace != b.Namespace {
-		return a.Namespace < b.Namespace
-	}
-	if a.Name != b.Name {
-		return a.Name < b.Name
-	}
-	if a.Port != b.Port {
-		return a.Port < b.Port
-	}
-	return a.Protocol < b.Protocol
 }
 
 func sortedChainNames(m map[string][]string) []string {

@@ -526,7 +526,7 @@ func (b *Backend) resolveContested(keys map[vsKey]bool) []*virtualServer {
 			for _, v := range p.vs {
 				if keyOf(&v.svc) == k {
 					claimants++
-					if want == nil || lessPortName(name, owner) {
+					if want == nil || name.Compare(owner) < 0 {
 						owner, want = name, v
 					}
 				}
@@ -544,23 +544,10 @@ func (b *Backend) resolveContested(keys map[vsKey]bool) []*virtualServer {
 	return moved
 }
 
-func lessPortName(a, b proxy.ServicePortName) bool {
-	return a.String()+"/"+string(a.Protocol) < b.String()+"/"+string(b.Protocol)
-}
-
-func sortedNames[V any](m map[proxy.ServicePortName]V) []proxy.ServicePortName {
-	names := make([]proxy.ServicePortName, 0, len(m))
-	for n := range m {
-		names = append(names, n)
-	}
-	sort.Slice(names, func(i, j int) bool { return lessPortName(names[i], names[j]) })
-	return names
-}
-
 // shortcutRules are the shortcut rules of every plan, in name order.
 func (b *Backend) shortcutRules() []string {
 	var out []string
-	for _, n := range sortedNames(b.plans) {
+	for _, n := range proxy.SortedServicePortNames(b.plans) {
 		out = append(out, b.plans[n].shortcut...)
 	}
 	return out
@@ -593,7 +580,7 @@ func (b *Backend) fullSync(ctx context.Context, state *proxy.NodeState, r *rende
 	b.ours, b.terminating = ours, terminating
 	addrs := &refCounts[netip.Addr]{refs: b.addrRefs, before: map[netip.Addr]int{}}
 	entries := &refCounts[setEntry]{refs: b.entryRefs, before: map[setEntry]int{}}
-	for _, name := range sortedNames(state.Services) {
+	for _, name := range proxy.SortedServicePortNames(state.Services) {
 		p := r.render(state.Services[name])
 		if p == nil {
 			logger.V(2).Info("Skipping service port with a protocol IPVS cannot carry", "servicePort", name.String(), "protocol", name.Protocol)
