@@ -98,7 +98,9 @@ func (f *InformerFactories) Shutdown() {
 }
 
 // NewInformerFactories builds the informer factories of opts. None is
-// started.
+// started. The Service and EndpointSlice factories trim the objects they
+// cache to what the engine reads (see transformService and
+// transformEndpointSlice).
 func NewInformerFactories(opts InformerOptions) (*InformerFactories, error) {
 	if opts.Client == nil {
 		return nil, errors.New("building informer factories: no client")
@@ -111,11 +113,13 @@ func NewInformerFactories(opts InformerOptions) (*InformerFactories, error) {
 	sliceLabels := EndpointSliceSelector().String()
 	return &InformerFactories{
 		Services: informers.NewSharedInformerFactoryWithOptions(opts.Client, opts.ResyncPeriod,
+			informers.WithTransform(transformService),
 			informers.WithTweakListOptions(func(options *metav1.ListOptions) {
 				options.LabelSelector = serviceLabels
 				options.FieldSelector = serviceFields
 			})),
 		EndpointSlices: informers.NewSharedInformerFactoryWithOptions(opts.Client, opts.ResyncPeriod,
+			informers.WithTransform(transformEndpointSlice),
 			informers.WithTweakListOptions(func(options *metav1.ListOptions) {
 				options.LabelSelector = sliceLabels
 			})),

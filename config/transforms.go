@@ -1,0 +1,74 @@
+package config
+
+import (
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/kproxy/kproxy/pkg/proxy"
+)
+
+// The informer transforms below shrink cached Services and EndpointSlices to
+// what the engine reads, before they enter the informer's store and reach the
+// handlers: managed fields are dropped, and of the annotations only the ones
+// the engine looks at are kept. Labels and specs are left alone (selectors
+// and the EndpointSlice service-name label are read).
+//
+// client-go hands a transform freshly decoded objects that nobody else holds,
+// so they are trimmed in place. Tombstones (cache.DeletedFinalStateUnknown)
+// carry an object that was already transformed, and client-go does not pass
+// them to transforms; like any object of another type they are returned
+// unchanged. Each transform is idempotent.
+
+// serviceAnnotations are the Service annotations the engine reads:
+// topologyKeys, and the load-balancer source ranges annotation (read only to
+// warn that it is ignored).
+var serviceAnnotations = []string{proxy.AnnotationTopologyKeys, v1.AnnotationLoadBalancerSourceRangesKey}
+
+// endpointSliceAnnotations are the EndpointSlice annotations the engine
+// reads: the last change trigger time, for network programming latency.
+var endpointSliceAnnotations = []string{v1.EndpointsLastChangeTriggerTime}
+
+// transformService trims a *v1.Service to what the engine reads: no managed
+// fields, only serviceAnnotations, and no status conditions (only the load
+// balancer status is read).
+func transformService(obj any) (any, error) {
+	svc, ok := obj.(*v1.Service)
+	if !ok || svc == nil {
+		return obj, nil
+	}
+	svc.ManagedFields = nil
+	keepAnnotations(&svc.ObjectMeta, serviceAnnotations...)
+	svc.Status.Conditions = nil
+	return svc, nil
+}
+
+// transformEndpointSlice trims a *discovery.EndpointSlice to what the engine
+// reads: no managed fields, only endpointSliceAnnotations.
+func transformEndpointSlice(obj any) (any, error) {
+	slice, ok := obj.(*discovery.EndpointSlice)
+	if !ok || slice == nil {
+		return obj, nil
+	}
+	slice.ManagedFields = nil
+	keepAnnotations(&slice.ObjectMeta, endpointSliceAnnotations...)
+	return slice, nil
+}
+
+// keepAnnotations replaces meta's annotations with those of keys that are
+// present, or nil when none is. The map is replaced rather than pruned, so
+// the memory of the dropped entries is released.
+func keepAnnotations(meta *metav1.ObjectMeta, keys ...string) {
+	var kept map[string]string
+	for _, key := range keys {
+		value, ok := meta.Annotations[key]
+		if !ok {
+			continue
+		}
+		if kept == nil {
+			kept = make(map[string]string, len(keys))
+		}
+		kept[key] = value
+	}
+	meta.Annotations = kept
+}

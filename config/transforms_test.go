@@ -1,0 +1,220 @@
+package config
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	apiequality "k8s.io/apimachinery/pkg/api/equality"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2/ktesting"
+
+	"github.com/kproxy/kproxy/pkg/proxy"
+)
+
+var testManagedFields = []metav1.ManagedFieldsEntry{{Manager: "kubectl", Operation: metav1.ManagedFieldsOperationApply}}
+
+// fullService is a Service carrying everything the transform drops, besides
+// what it keeps.
+func fullService() *v1.Service {
+	svc := newService("ns", "web", withServiceLabels(map[string]string{"app": "web"}))
+	svc.ManagedFields = testManagedFields
+	svc.Annotations = map[string]string{
+		proxy.AnnotationTopologyKeys:                       "kubernetes.io/hostname,*",
+		v1.AnnotationLoadBalancerSourceRangesKey:           "10.0.0.0/8",
+		"kubectl.kubernetes.io/last-applied-configuration": `{"big":"blob"}`,
+		"example.com/note":                                 "x",
+	}
+	svc.Status = v1.ServiceStatus{
+		LoadBalancer: v1.LoadBalancerStatus{Ingress: []v1.LoadBalancerIngress{{IP: "192.0.2.1"}}},
+		Conditions:   []metav1.Condition{{Type: "Ready", Status: metav1.ConditionTrue}},
+	}
+	return svc
+}
+
+func fullSlice() *discovery.EndpointSlice {
+	slice := newSlice("ns", "web-abc", map[string]string{"app": "web"}, "10.1.0.1")
+	slice.ManagedFields = testManagedFields
+	slice.Annotations = map[string]string{
+		v1.EndpointsLastChangeTriggerTime: "2026-01-01T00:00:00Z",
+		"example.com/note":                "x",
+	}
+	return slice
+}
+
+func TestTransformService(t *testing.T) {
+	trimmed := func(annotations map[string]string) *v1.Service {
+		svc := fullService()
+		svc.ManagedFields = nil
+		svc.Annotations = annotations
+		svc.Status.Conditions = nil
+		return svc
+	}
+	tombstone := cache.DeletedFinalStateUnknown{Key: "ns/web", Obj: fullService()}
+	cases := []struct {
+		name string
+		in   any
+		want any
+	}{
+		{
+			name: "managed fields, unread annotations and conditions dropped",
+			in:   fullService(),
+			want: trimmed(map[string]string{
+				proxy.AnnotationTopologyKeys:             "kubernetes.io/hostname,*",
+				v1.AnnotationLoadBalancerSourceRangesKey: "10.0.0.0/8",
+			}),
+		},
+		{
+			name: "only unread annotations leaves none",
+			in: func() *v1.Service {
+				svc := fullService()
+				svc.Annotations = map[string]string{"example.com/note": "x"}
+				return svc
+			}(),
+			want: trimmed(nil),
+		},
+		{
+			name: "an already trimmed service is unchanged",
+			in:   trimmed(map[string]string{proxy.AnnotationTopologyKeys: "*"}),
+			want: trimmed(map[string]string{proxy.AnnotationTopologyKeys: "*"}),
+		},
+		{name: "tombstone passed through", in: tombstone, want: tombstone},
+		{name: "other kind passed through", in: fullSlice(), want: fullSlice()},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := transformService(tc.in)
+			if err != nil {
+				t.Fatalf("transformService: %v", err)
+			}
+			if !apiequality.Semantic.DeepEqual(got, tc.want) {
+				t.Errorf("transformService =\n%#v\nwant\n%#v", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestTransformEndpointSlice(t *testing.T) {
+	trimmed := func(annotations map[string]string) *discovery.EndpointSlice {
+		slice := fullSlice()
+		slice.ManagedFields = nil
+		slice.Annotations = annotations
+		return slice
+	}
+	tombstone := cache.DeletedFinalStateUnknown{Key: "ns/web-abc", Obj: fullSlice()}
+	cases := []struct {
+		name string
+		in   any
+		want any
+	}{
+		{
+			name: "managed fields and unread annotations dropped",
+			in:   fullSlice(),
+			want: trimmed(map[string]string{v1.EndpointsLastChangeTriggerTime: "2026-01-01T00:00:00Z"}),
+		},
+		{
+			name: "no annotations stays without",
+			in: func() *discovery.EndpointSlice {
+				slice := fullSlice()
+				slice.Annotations = nil
+				return slice
+			}(),
+			want: trimmed(nil),
+		},
+		{name: "tombstone passed through", in: tombstone, want: tombstone},
+		{name: "other kind passed through", in: fullService(), want: fullService()},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := transformEndpointSlice(tc.in)
+			if err != nil {
+				t.Fatalf("transformEndpointSlice: %v", err)
+			}
+			if !apiequality.Semantic.DeepEqual(got, tc.want) {
+				t.Errorf("transformEndpointSlice =\n%#v\nwant\n%#v", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestInformerFactoriesTrimObjects checks that the factories install the
+// transforms: objects reach handlers and the informer's store trimmed.
+func TestInformerFactoriesTrimObjects(t *testing.T) {
+	cases := []struct {
+		name     string
+		object   object
+		informer func(*InformerFactories) cache.SharedIndexInformer
+		wantAnn  map[string]string
+	}{
+		{
+			name:   "service",
+			object: fullService(),
+			informer: func(f *InformerFactories) cache.SharedIndexInformer {
+				return f.Services.Core().V1().Services().Informer()
+			},
+			wantAnn: map[string]string{
+				proxy.AnnotationTopologyKeys:             "kubernetes.io/hostname,*",
+				v1.AnnotationLoadBalancerSourceRangesKey: "10.0.0.0/8",
+			},
+		},
+		{
+			name:   "endpoint slice",
+			object: fullSlice(),
+			informer: func(f *InformerFactories) cache.SharedIndexInformer {
+				return f.EndpointSlices.Discovery().V1().EndpointSlices().Informer()
+			},
+			wantAnn: map[string]string{v1.EndpointsLastChangeTriggerTime: "2026-01-01T00:00:00Z"},
+		},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+			client := newFakeClient(tc.object)
+			f, err := NewInformerFactories(InformerOptions{Client: client})
+			if err != nil {
+				t.Fatalf("NewInformerFactories: %v", err)
+			}
+			delivered := make(chan metav1.Object, 1)
+			informer := tc.informer(f)
+			if _, err := informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+				AddFunc: func(obj any) { delivered <- obj.(metav1.Object) },
+			}); err != nil {
+				t.Fatalf("adding the handler: %v", err)
+			}
+			f.Start(ctx.Done())
+			defer func() {
+				cancel()
+				f.Shutdown()
+			}()
+			var got metav1.Object
+			select {
+			case got = <-delivered:
+			case <-ctx.Done():
+				t.Fatalf("no object delivered: %v", ctx.Err())
+			}
+			checkTrimmed(t, "delivered", got, tc.object, tc.wantAnn)
+			cached := informer.GetStore().List()
+			if len(cached) != 1 {
+				t.Fatalf("informer store holds %d objects, want 1", len(cached))
+			}
+			checkTrimmed(t, "cached", cached[0].(metav1.Object), tc.object, tc.wantAnn)
+		})
+	}
+}
+
+func checkTrimmed(t *testing.T, what string, got, orig metav1.Object, wantAnnotations map[string]string) {
+	t.Helper()
+	if mf := got.GetManagedFields(); mf != nil {
+		t.Errorf("%s object has managed fields %v, want none", what, mf)
+	}
+	if ann := got.GetAnnotations(); !apiequality.Semantic.DeepEqual(ann, wantAnnotations) {
+		t.Errorf("%s object has annotations %v, want %v", what, ann, wantAnnotations)
+	}
+	if lbls := got.GetLabels(); !apiequality.Semantic.DeepEqual(lbls, orig.GetLabels()) {
+		t.Errorf("%s object has labels %v, want %v", what, lbls, orig.GetLabels())
+	}
+}
