@@ -11,6 +11,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	goiptables "github.com/coreos/go-iptables/iptables"
@@ -172,7 +173,7 @@ func New(ctx context.Context, opts Options) (Interface, error) {
 			return nil, err
 		}
 	}
-	r.ipt, err = goiptables.New(goiptables.IPFamily(family), goiptables.Timeout(wait), goiptables.Path(gipPath))
+	r.ipt, err = newGoIPTables(family, wait, gipPath)
 	if err != nil {
 		closeErr := r.Close()
 		return nil, errors.Join(fmt.Errorf("initialising go-iptables for %s: %w", gipPath, err), closeErr)
@@ -207,6 +208,27 @@ func (r *Real) writeNetNSWrapper(base, mainPath string) (string, error) {
 		return "", errors.Join(fmt.Errorf("writing the %s wrapper for netns %s: %w", base, r.netns, err), r.Close())
 	}
 	return path, nil
+}
+
+// newGoIPTables initialises go-iptables, which runs path --version. A
+// wrapper script just written by writeNetNSWrapper can fail that with
+// ETXTBSY: a child forked by another goroutine while the script was open for
+// writing still holds the descriptor until it execs (Go issue 22315). That
+// window is short, so the probe is retried for up to two seconds.
+func newGoIPTables(family goiptables.Protocol, wait int, path string) (*goiptables.IPTables, error) {
+	var err error
+	for attempt := 0; attempt < 40; attempt++ {
+		var ipt *goiptables.IPTables
+		ipt, err = goiptables.New(goiptables.IPFamily(family), goiptables.Timeout(wait), goiptables.Path(path))
+		if err == nil {
+			return ipt, nil
+		}
+		if !strings.Contains(err.Error(), syscall.ETXTBSY.Error()) {
+			return nil, err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return nil, err
 }
 
 // shellQuote quotes s as one POSIX shell word.
