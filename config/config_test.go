@@ -128,7 +128,7 @@ func TestInformerFactoriesSelectors(t *testing.T) {
 			want: map[string]restrictions{
 				"services":       {labels: "!service.kubernetes.io/service-proxy-name", fields: "spec.clusterIP!=None"},
 				"endpointslices": {labels: "!service.kubernetes.io/headless"},
-				"nodes":          {},
+				"nodes":          {fields: "metadata.name=" + testNode},
 			},
 		},
 		{
@@ -137,7 +137,7 @@ func TestInformerFactoriesSelectors(t *testing.T) {
 			want: map[string]restrictions{
 				"services":       {labels: "service.kubernetes.io/service-proxy-name=kproxy", fields: "spec.clusterIP!=None"},
 				"endpointslices": {labels: "!service.kubernetes.io/headless"},
-				"nodes":          {},
+				"nodes":          {fields: "metadata.name=" + testNode},
 			},
 		},
 	}
@@ -145,7 +145,7 @@ func TestInformerFactoriesSelectors(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			_, ctx := ktesting.NewTestContext(t)
 			client := fake.NewClientset()
-			f, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: tc.proxyName})
+			f, err := NewInformerFactories(InformerOptions{Client: client, NodeName: testNode, ServiceProxyName: tc.proxyName})
 			if err != nil {
 				t.Fatalf("NewInformerFactories: %v", err)
 			}
@@ -212,8 +212,9 @@ func TestNewInformerFactoriesRejectsBadOptions(t *testing.T) {
 		name string
 		opts InformerOptions
 	}{
-		{name: "no client", opts: InformerOptions{}},
-		{name: "invalid service proxy name", opts: InformerOptions{Client: fake.NewClientset(), ServiceProxyName: "not valid"}},
+		{name: "no client", opts: InformerOptions{NodeName: testNode}},
+		{name: "no node name", opts: InformerOptions{Client: fake.NewClientset()}},
+		{name: "invalid service proxy name", opts: InformerOptions{Client: fake.NewClientset(), NodeName: testNode, ServiceProxyName: "not valid"}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -351,7 +352,7 @@ func proxyLabels(proxyName string) map[string]string {
 
 var serviceHarness = harness[*v1.Service]{
 	start: func(ctx context.Context, t *testing.T, client *fake.Clientset, proxyName string, recs []*recorder[*v1.Service]) {
-		f, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: proxyName})
+		f, err := NewInformerFactories(InformerOptions{Client: client, NodeName: testNode, ServiceProxyName: proxyName})
 		if err != nil {
 			t.Fatalf("NewInformerFactories: %v", err)
 		}
@@ -543,7 +544,7 @@ func TestServiceProxyNameSelectsConfig(t *testing.T) {
 
 var sliceHarness = harness[*discovery.EndpointSlice]{
 	start: func(ctx context.Context, t *testing.T, client *fake.Clientset, proxyName string, recs []*recorder[*discovery.EndpointSlice]) {
-		f, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: proxyName})
+		f, err := NewInformerFactories(InformerOptions{Client: client, NodeName: testNode, ServiceProxyName: proxyName})
 		if err != nil {
 			t.Fatalf("NewInformerFactories: %v", err)
 		}
@@ -644,83 +645,147 @@ func TestEndpointSliceConfig(t *testing.T) {
 	runConfigCases(t, sliceHarness, cases)
 }
 
-var nodeHarness = harness[*v1.Node]{
-	start: func(ctx context.Context, t *testing.T, client *fake.Clientset, proxyName string, recs []*recorder[*v1.Node]) {
-		f, err := NewInformerFactories(InformerOptions{Client: client, ServiceProxyName: proxyName})
-		if err != nil {
-			t.Fatalf("NewInformerFactories: %v", err)
-		}
-		nodes := f.Nodes
-		cfg, err := NewNodeConfig(ctx, nodes.Core().V1().Nodes(), 0)
-		if err != nil {
-			t.Fatalf("NewNodeConfig: %v", err)
-		}
-		for _, rec := range recs {
-			cfg.RegisterEventHandler(nodeRecorder{rec})
-		}
-		cfg.Run(startFactory(ctx, t, nodes))
-	},
-	apply: func(ctx context.Context, client *fake.Clientset, o op[*v1.Node]) error {
-		nodes := client.CoreV1().Nodes()
-		var err error
-		switch o.verb {
-		case "create":
-			_, err = nodes.Create(ctx, o.obj, metav1.CreateOptions{})
-		case "update":
-			_, err = nodes.Update(ctx, o.obj, metav1.UpdateOptions{})
-		case "delete":
-			err = nodes.Delete(ctx, o.obj.Name, metav1.DeleteOptions{})
-		}
-		return err
-	},
-	barrier: func(string) *v1.Node { return newNode("barrier", nil) },
-}
-
+// TestNodeConfig checks that the Node informer of NewInformerFactories
+// delivers this node's Node only, whatever the other nodes do. After the
+// ops it adds a label to this node's Node and waits for it: events reach
+// each handler in order, so once it arrived every earlier event (or its
+// absence) is final.
 func TestNodeConfig(t *testing.T) {
 	zoneA := map[string]string{v1.LabelTopologyZone: "a"}
 	zoneB := map[string]string{v1.LabelTopologyZone: "b"}
 	// Labels that would exclude a Service or EndpointSlice must not affect
-	// nodes: the node informer is unfiltered.
+	// this node.
 	serviceFilterLabels := map[string]string{LabelServiceProxyName: "other", LabelHeadless: ""}
-	cases := []configCase[*v1.Node]{
+	const barrierLabel = "test.kproxy.io/barrier"
+	cases := []struct {
+		name      string
+		proxyName string
+		initial   []*v1.Node
+		ops       []op[*v1.Node]
+		// wantAtSync are the nodes handlers held when told of the sync.
+		wantAtSync []string
+		// wantCounts counts the events delivered for initial and ops.
+		wantCounts eventCounts
+		check      func(t *testing.T, s recorderState[*v1.Node])
+	}{
 		{
-			name:       "every initial node is delivered before synced",
-			initial:    []*v1.Node{newNode("n1", zoneA), newNode("n2", nil), newNode("n3", serviceFilterLabels)},
-			wantAtSync: []string{"n1", "n2", "n3"},
-			want:       []string{"n1", "n2", "n3"},
-			wantCounts: eventCounts{Adds: 3},
+			name:       "only this node is delivered",
+			initial:    []*v1.Node{newNode("n1", zoneA), newNode(testNode, serviceFilterLabels), newNode("n3", nil)},
+			wantAtSync: []string{testNode},
+			wantCounts: eventCounts{Adds: 1},
 		},
 		{
-			name:    "add update and delete after sync reach every handler",
-			initial: []*v1.Node{newNode("n1", zoneA), newNode("n3", nil)},
+			name:    "this node's changes reach every handler, other nodes' do not",
+			initial: []*v1.Node{newNode(testNode, zoneA), newNode("n3", nil)},
 			ops: []op[*v1.Node]{
-				create(newNode("n2", serviceFilterLabels)),
-				update(newNode("n1", zoneB)),
-				remove(newNode("n3", nil)),
+				create(newNode("n2", zoneA)),
+				update(newNode("n3", zoneB)),
+				update(newNode(testNode, zoneB)),
+				remove(newNode("n2", nil)),
 			},
-			wantAtSync: []string{"n1", "n3"},
-			want:       []string{"n1", "n2"},
-			wantCounts: eventCounts{Adds: 3, Updates: 1, Deletes: 1},
+			wantAtSync: []string{testNode},
+			wantCounts: eventCounts{Adds: 1, Updates: 1},
 			check: func(t *testing.T, s recorderState[*v1.Node]) {
-				if got := s.current["n1"].Labels[v1.LabelTopologyZone]; got != "b" {
-					t.Errorf("n1 zone = %q, want b", got)
-				}
-				if got := s.lastOld["n1"].Labels[v1.LabelTopologyZone]; got != "a" {
-					t.Errorf("n1 old zone in update = %q, want a", got)
+				if got := s.current[testNode].Labels[v1.LabelTopologyZone]; got != "b" {
+					t.Errorf("%s zone = %q, want b", testNode, got)
 				}
 			},
 		},
 		{
-			name:       "a named proxy still sees every node",
+			name:    "this node created and deleted after sync",
+			initial: []*v1.Node{newNode("n2", nil)},
+			ops: []op[*v1.Node]{
+				create(newNode(testNode, zoneA)),
+				remove(newNode(testNode, nil)),
+				create(newNode(testNode, zoneB)),
+			},
+			wantCounts: eventCounts{Adds: 2, Deletes: 1},
+		},
+		{
+			name:       "a named proxy sees this node whatever its labels",
 			proxyName:  "kproxy",
-			initial:    []*v1.Node{newNode("n1", nil), newNode("n2", proxyLabels("kproxy")), newNode("n3", proxyLabels("other"))},
-			ops:        []op[*v1.Node]{create(newNode("n4", nil))},
-			wantAtSync: []string{"n1", "n2", "n3"},
-			want:       []string{"n1", "n2", "n3", "n4"},
-			wantCounts: eventCounts{Adds: 4},
+			initial:    []*v1.Node{newNode(testNode, proxyLabels("other")), newNode("n2", proxyLabels("kproxy"))},
+			wantAtSync: []string{testNode},
+			wantCounts: eventCounts{Adds: 1},
 		},
 	}
-	runConfigCases(t, nodeHarness, cases)
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			initial := make([]runtime.Object, 0, len(tc.initial))
+			for _, obj := range tc.initial {
+				initial = append(initial, obj)
+			}
+			client := newFakeClient(initial...)
+			f, err := NewInformerFactories(InformerOptions{Client: client, NodeName: testNode, ServiceProxyName: tc.proxyName})
+			if err != nil {
+				t.Fatalf("NewInformerFactories: %v", err)
+			}
+			cfg, err := NewNodeConfig(ctx, f.Nodes.Core().V1().Nodes(), 0)
+			if err != nil {
+				t.Fatalf("NewNodeConfig: %v", err)
+			}
+			recs := []*recorder[*v1.Node]{newRecorder[*v1.Node](), newRecorder[*v1.Node]()}
+			for _, rec := range recs {
+				cfg.RegisterEventHandler(nodeRecorder{rec})
+			}
+			cfg.Run(startFactory(ctx, t, f.Nodes))
+			for i, rec := range recs {
+				if s := rec.state(); !slices.Equal(s.keysAtSync, tc.wantAtSync) || s.syncedCalls != 1 {
+					t.Errorf("handler %d: synced %d times with %v, want once with %v", i, s.syncedCalls, s.keysAtSync, tc.wantAtSync)
+				}
+			}
+			nodes := client.CoreV1().Nodes()
+			for _, o := range tc.ops {
+				var err error
+				switch o.verb {
+				case "create":
+					_, err = nodes.Create(ctx, o.obj, metav1.CreateOptions{})
+				case "update":
+					_, err = nodes.Update(ctx, o.obj, metav1.UpdateOptions{})
+				case "delete":
+					err = nodes.Delete(ctx, o.obj.Name, metav1.DeleteOptions{})
+				}
+				if err != nil {
+					t.Fatalf("%s %s: %v", o.verb, o.obj.Name, err)
+				}
+			}
+			barrier, err := nodes.Get(ctx, testNode, metav1.GetOptions{})
+			if err != nil {
+				t.Fatalf("getting %s for the barrier: %v", testNode, err)
+			}
+			barrier.Labels = maps.Clone(barrier.Labels)
+			if barrier.Labels == nil {
+				barrier.Labels = map[string]string{}
+			}
+			barrier.Labels[barrierLabel] = "set"
+			if _, err := nodes.Update(ctx, barrier, metav1.UpdateOptions{}); err != nil {
+				t.Fatalf("barrier update: %v", err)
+			}
+			wantCounts := tc.wantCounts
+			wantCounts.Updates++ // the barrier
+			for i, rec := range recs {
+				waitUntil(ctx, t, fmt.Sprintf("the barrier to reach handler %d", i), func() bool {
+					s := rec.state()
+					n, ok := s.current[testNode]
+					return ok && n.Labels[barrierLabel] == "set"
+				})
+				s := rec.state()
+				if !slices.Equal(s.keys, []string{testNode}) {
+					t.Errorf("handler %d: nodes = %v, want only %s", i, s.keys, testNode)
+				}
+				if s.counts != wantCounts {
+					t.Errorf("handler %d: events = %+v, want %+v (including the barrier update)", i, s.counts, wantCounts)
+				}
+				for _, v := range s.violations {
+					t.Errorf("handler %d: inconsistent event stream: %s", i, v)
+				}
+				if tc.check != nil {
+					tc.check(t, s)
+				}
+			}
+		})
+	}
 }
 
 // directHarness feeds raw informer callbacks (tombstones, wrong types) to a

@@ -25,11 +25,28 @@ type EndpointSliceHandler interface {
 	OnEndpointSlicesSynced()
 }
 
-// NodeHandler is notified of Node changes (every node: topologyKeys needs
-// the labels of the nodes endpoints run on).
+// NodeHandler is notified of changes of this node's Node (NodeConfig).
 type NodeHandler interface {
 	OnNodeAdd(node *v1.Node)
 	OnNodeUpdate(oldNode, node *v1.Node)
 	OnNodeDelete(node *v1.Node)
 	OnNodeSynced()
+}
+
+// OtherNodesHandler is notified of the labels of the other nodes, which
+// OtherNodesConfig watches only while some Service uses the topologyKeys
+// annotation.
+type OtherNodesHandler interface {
+	// OnNodeAdd, OnNodeUpdate and OnNodeDelete carry Nodes with a name,
+	// a resource version and labels only. Handlers must not modify them.
+	OnNodeAdd(node *v1.Node)
+	OnNodeUpdate(oldNode, node *v1.Node)
+	OnNodeDelete(node *v1.Node)
+	// OnOtherNodesPending(true) says that a Service needs the other nodes'
+	// labels and they have not all been delivered yet: a handler that
+	// programs topologyKeys should hold its syncs back. It is called before
+	// the handlers of the ServiceConfig registered after OtherNodesConfig
+	// see the Service. OnOtherNodesPending(false) follows once the labels
+	// have been delivered, or when no Service needs them any more.
+	OnOtherNodesPending(pending bool)
 }

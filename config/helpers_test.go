@@ -14,6 +14,7 @@ import (
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -22,14 +23,41 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 )
 
+// testNode is the node the tests' kproxy runs on.
+const testNode = "node-a"
+
 // newFakeClient returns a fake clientset holding objs. The stock fake filters
-// lists by label selector but not watches; the reactor added here filters
-// watch events too, as the API server does, so objects created after the
-// informers started are subject to the same selector as the initial list.
-// (It does not emulate the API server turning a label change that leaves the
-// selector into a DELETED event; no test relies on that.)
+// lists by label selector but not watches, and applies no field selector; the
+// reactors added here filter lists and watches by both (fields: see
+// objectFields), as the API server does, so objects created after the
+// informers started are subject to the same selectors as the initial list. (They do not emulate the API server
+// turning a change that leaves the selector into a DELETED event; no test
+// relies on that.)
 func newFakeClient(objs ...runtime.Object) *fake.Clientset {
 	client := fake.NewClientset(objs...)
+	client.PrependReactor("list", "*", func(action k8stesting.Action) (bool, runtime.Object, error) {
+		listAction, ok := action.(k8stesting.ListActionImpl)
+		if !ok {
+			return false, nil, nil
+		}
+		selector := listAction.GetListRestrictions().Fields
+		if selector == nil || selector.Empty() {
+			return false, nil, nil
+		}
+		_, list, err := k8stesting.ObjectReaction(client.Tracker())(action)
+		if err != nil {
+			return true, nil, err
+		}
+		items, err := meta.ExtractList(list)
+		if err != nil {
+			return true, nil, fmt.Errorf("listing %s: %w", action.GetResource(), err)
+		}
+		items = slices.DeleteFunc(items, func(obj runtime.Object) bool { return !selector.Matches(objectFields(obj)) })
+		if err := meta.SetList(list, items); err != nil {
+			return true, nil, fmt.Errorf("listing %s: %w", action.GetResource(), err)
+		}
+		return true, list, nil
+	})
 	client.PrependWatchReactor("*", func(action k8stesting.Action) (bool, watch.Interface, error) {
 		watchAction, ok := action.(k8stesting.WatchActionImpl)
 		if !ok {
@@ -39,8 +67,9 @@ func newFakeClient(objs ...runtime.Object) *fake.Clientset {
 		if err != nil {
 			return true, nil, fmt.Errorf("watching %s: %w", action.GetResource(), err)
 		}
-		selector := watchAction.GetWatchRestrictions().Labels
-		if selector == nil || selector.Empty() {
+		restrictions := watchAction.GetWatchRestrictions()
+		labelSelector, fieldSelector := restrictions.Labels, restrictions.Fields
+		if (labelSelector == nil || labelSelector.Empty()) && (fieldSelector == nil || fieldSelector.Empty()) {
 			return true, w, nil
 		}
 		return true, watch.Filter(w, func(event watch.Event) (watch.Event, bool) {
@@ -48,10 +77,27 @@ func newFakeClient(objs ...runtime.Object) *fake.Clientset {
 			if err != nil {
 				return event, true // not an object (e.g. an error status): pass through
 			}
-			return event, selector.Matches(labels.Set(accessor.GetLabels()))
+			if labelSelector != nil && !labelSelector.Matches(labels.Set(accessor.GetLabels())) {
+				return event, false
+			}
+			return event, fieldSelector == nil || fieldSelector.Matches(objectFields(event.Object))
 		}), nil
 	})
 	return client
+}
+
+// objectFields are the fields of obj that the fake client's field selectors
+// look at: its name and namespace. Other fields are absent, so a selector
+// like spec.clusterIP!=None lets everything through (ServiceConfig skips
+// headless Services itself, and tests count on it to see them turn
+// headless).
+func objectFields(obj runtime.Object) fields.Set {
+	set := fields.Set{}
+	if accessor, err := meta.Accessor(obj); err == nil {
+		set["metadata.name"] = accessor.GetName()
+		set["metadata.namespace"] = accessor.GetNamespace()
+	}
+	return set
 }
 
 // object is what every recorded API type satisfies.

@@ -26,6 +26,9 @@ const (
 // InformerOptions configures NewInformerFactories.
 type InformerOptions struct {
 	Client kubernetes.Interface
+	// NodeName is the node kproxy runs on: the Node informer watches that
+	// Node only (OtherNodesConfig watches the others' labels when needed).
+	NodeName string
 	// ResyncPeriod is the factories' default resync period (0: no resync).
 	ResyncPeriod time.Duration
 	// ServiceProxyName, when set, selects exactly the Services labelled
@@ -48,6 +51,12 @@ func ServiceSelector(serviceProxyName string) (labels.Selector, error) {
 		return nil, fmt.Errorf("invalid service proxy name %q: %w", serviceProxyName, err)
 	}
 	return labels.NewSelector().Add(*proxyName), nil
+}
+
+// NodeFieldSelector returns the field selector of the Node informer: this
+// node only, as kube-proxy watches it.
+func NodeFieldSelector(nodeName string) fields.Selector {
+	return fields.OneTermEqualSelector("metadata.name", nodeName)
 }
 
 // ServiceFieldSelector returns the field selector kproxy applies to
@@ -78,7 +87,7 @@ type InformerFactories struct {
 	Services informers.SharedInformerFactory
 	// EndpointSlices is filtered by EndpointSliceSelector.
 	EndpointSlices informers.SharedInformerFactory
-	// Nodes is unfiltered: topologyKeys needs every node's labels.
+	// Nodes is filtered by NodeFieldSelector: this node's Node only.
 	Nodes informers.SharedInformerFactory
 }
 
@@ -98,12 +107,14 @@ func (f *InformerFactories) Shutdown() {
 }
 
 // NewInformerFactories builds the informer factories of opts. None is
-// started. The Service and EndpointSlice factories trim the objects they
-// cache to what the engine reads (see transformService and
-// transformEndpointSlice).
+// started. Each factory trims the objects it caches to what kproxy reads
+// (see transformService, transformEndpointSlice and transformNode).
 func NewInformerFactories(opts InformerOptions) (*InformerFactories, error) {
 	if opts.Client == nil {
 		return nil, errors.New("building informer factories: no client")
+	}
+	if opts.NodeName == "" {
+		return nil, errors.New("building informer factories: no node name")
 	}
 	serviceSelector, err := ServiceSelector(opts.ServiceProxyName)
 	if err != nil {
@@ -111,6 +122,7 @@ func NewInformerFactories(opts InformerOptions) (*InformerFactories, error) {
 	}
 	serviceLabels, serviceFields := serviceSelector.String(), ServiceFieldSelector().String()
 	sliceLabels := EndpointSliceSelector().String()
+	nodeFields := NodeFieldSelector(opts.NodeName).String()
 	return &InformerFactories{
 		Services: informers.NewSharedInformerFactoryWithOptions(opts.Client, opts.ResyncPeriod,
 			informers.WithTransform(transformService),
@@ -123,6 +135,10 @@ func NewInformerFactories(opts InformerOptions) (*InformerFactories, error) {
 			informers.WithTweakListOptions(func(options *metav1.ListOptions) {
 				options.LabelSelector = sliceLabels
 			})),
-		Nodes: informers.NewSharedInformerFactory(opts.Client, opts.ResyncPeriod),
+		Nodes: informers.NewSharedInformerFactoryWithOptions(opts.Client, opts.ResyncPeriod,
+			informers.WithTransform(transformNode),
+			informers.WithTweakListOptions(func(options *metav1.ListOptions) {
+				options.FieldSelector = nodeFields
+			})),
 	}, nil
 }

@@ -12,8 +12,8 @@ import (
 )
 
 // NodeConfig delivers Node events from one informer to every registered
-// NodeHandler. Every node is delivered: topologyKeys needs the labels of the
-// nodes that endpoints run on, not just this node's.
+// NodeHandler. The informer of NewInformerFactories watches this node's Node
+// only; the other nodes' labels come from OtherNodesConfig.
 type NodeConfig struct {
 	logger   klog.Logger
 	synced   cache.InformerSynced

@@ -8,11 +8,12 @@ import (
 	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
-// The informer transforms below shrink cached Services and EndpointSlices to
-// what the engine reads, before they enter the informer's store and reach the
-// handlers: managed fields are dropped, and of the annotations only the ones
-// the engine looks at are kept. Labels and specs are left alone (selectors
-// and the EndpointSlice service-name label are read).
+// The informer transforms below shrink cached Services, EndpointSlices and
+// Nodes to what kproxy reads, before they enter the informer's store and
+// reach the handlers: managed fields are dropped, and of the annotations only
+// the ones the engine looks at are kept. Labels and the Service and
+// EndpointSlice specs are left alone (selectors and the EndpointSlice
+// service-name label are read).
 //
 // client-go hands a transform freshly decoded objects that nobody else holds,
 // so they are trimmed in place. Tombstones (cache.DeletedFinalStateUnknown)
@@ -53,6 +54,36 @@ func transformEndpointSlice(obj any) (any, error) {
 	slice.ManagedFields = nil
 	keepAnnotations(&slice.ObjectMeta, endpointSliceAnnotations...)
 	return slice, nil
+}
+
+// transformNode trims this node's *v1.Node to what kproxy reads: its labels
+// (topology), its deletion timestamp and taints (the proxy health server) and
+// its addresses (what node-IP detection reads). Managed fields, annotations
+// and the rest of the status (conditions, images, node info, volumes) are
+// dropped; on a busy node those are most of the object and change every few
+// seconds.
+func transformNode(obj any) (any, error) {
+	node, ok := obj.(*v1.Node)
+	if !ok || node == nil {
+		return obj, nil
+	}
+	node.ManagedFields = nil
+	node.Annotations = nil
+	node.Status = v1.NodeStatus{Addresses: node.Status.Addresses}
+	return node, nil
+}
+
+// transformNodeMetadata trims the *metav1.PartialObjectMetadata of another
+// node to its name, resource version and labels: topologyKeys reads nothing
+// else. Annotations (often dozens per node), managed fields, owner references
+// and finalizers are dropped.
+func transformNodeMetadata(obj any) (any, error) {
+	m, ok := obj.(*metav1.PartialObjectMetadata)
+	if !ok || m == nil {
+		return obj, nil
+	}
+	m.ObjectMeta = metav1.ObjectMeta{Name: m.Name, ResourceVersion: m.ResourceVersion, Labels: m.Labels}
+	return m, nil
 }
 
 // keepAnnotations replaces meta's annotations with those of keys that are

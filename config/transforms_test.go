@@ -8,6 +8,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2/ktesting"
@@ -43,6 +44,91 @@ func fullSlice() *discovery.EndpointSlice {
 		"example.com/note":                "x",
 	}
 	return slice
+}
+
+// fullNode is this node's Node as the kubelet and controllers leave it: the
+// parts kproxy reads, and managed fields, annotations and a busy status.
+func fullNode() *v1.Node {
+	node := newNode(testNode, map[string]string{v1.LabelTopologyZone: "z1", v1.LabelHostname: testNode})
+	node.ManagedFields = testManagedFields
+	node.Annotations = map[string]string{"node.alpha.kubernetes.io/ttl": "0", "example.com/note": "x"}
+	node.Spec = v1.NodeSpec{PodCIDR: "10.244.1.0/24", Taints: []v1.Taint{{Key: "ToBeDeletedByClusterAutoscaler", Effect: v1.TaintEffectNoSchedule}}}
+	deleted := metav1.NewTime(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	node.DeletionTimestamp = &deleted
+	node.Status = v1.NodeStatus{
+		Addresses:  []v1.NodeAddress{{Type: v1.NodeInternalIP, Address: "192.0.2.10"}},
+		Conditions: []v1.NodeCondition{{Type: v1.NodeReady, Status: v1.ConditionTrue}},
+		Images:     []v1.ContainerImage{{Names: []string{"registry.example/app:1"}, SizeBytes: 1 << 20}},
+		NodeInfo:   v1.NodeSystemInfo{KubeletVersion: "v1.37.2"},
+		Capacity:   v1.ResourceList{v1.ResourcePods: resource.MustParse("110")},
+	}
+	return node
+}
+
+func TestTransformNode(t *testing.T) {
+	trimmed := fullNode()
+	trimmed.ManagedFields = nil
+	trimmed.Annotations = nil
+	trimmed.Status = v1.NodeStatus{Addresses: trimmed.Status.Addresses}
+	tombstone := cache.DeletedFinalStateUnknown{Key: testNode, Obj: fullNode()}
+	cases := []struct {
+		name string
+		in   any
+		want any
+	}{
+		{name: "managed fields, annotations and status but addresses dropped", in: fullNode(), want: trimmed},
+		{name: "an already trimmed node is unchanged", in: trimmed.DeepCopy(), want: trimmed},
+		{name: "tombstone passed through", in: tombstone, want: tombstone},
+		{name: "other kind passed through", in: fullService(), want: fullService()},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := transformNode(tc.in)
+			if err != nil {
+				t.Fatalf("transformNode: %v", err)
+			}
+			if !apiequality.Semantic.DeepEqual(got, tc.want) {
+				t.Errorf("transformNode =\n%#v\nwant\n%#v", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestTransformNodeMetadata(t *testing.T) {
+	full := func() *metav1.PartialObjectMetadata {
+		m := nodeMeta("n2", map[string]string{"example.com/site": "s1"})
+		m.ResourceVersion = "42"
+		m.UID = "uid-n2"
+		m.OwnerReferences = []metav1.OwnerReference{{Kind: "Machine", Name: "m2"}}
+		m.Finalizers = []string{"example.com/keep"}
+		return m
+	}
+	trimmed := &metav1.PartialObjectMetadata{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Node"},
+		ObjectMeta: metav1.ObjectMeta{Name: "n2", ResourceVersion: "42", Labels: map[string]string{"example.com/site": "s1"}},
+	}
+	tombstone := cache.DeletedFinalStateUnknown{Key: "n2", Obj: full()}
+	cases := []struct {
+		name string
+		in   any
+		want any
+	}{
+		{name: "everything but name, resource version and labels dropped", in: full(), want: trimmed},
+		{name: "an already trimmed object is unchanged", in: trimmed.DeepCopy(), want: trimmed},
+		{name: "tombstone passed through", in: tombstone, want: tombstone},
+		{name: "other kind passed through", in: fullNode(), want: fullNode()},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := transformNodeMetadata(tc.in)
+			if err != nil {
+				t.Fatalf("transformNodeMetadata: %v", err)
+			}
+			if !apiequality.Semantic.DeepEqual(got, tc.want) {
+				t.Errorf("transformNodeMetadata =\n%#v\nwant\n%#v", got, tc.want)
+			}
+		})
+	}
 }
 
 func TestTransformService(t *testing.T) {
@@ -168,13 +254,20 @@ func TestInformerFactoriesTrimObjects(t *testing.T) {
 			},
 			wantAnn: map[string]string{v1.EndpointsLastChangeTriggerTime: "2026-01-01T00:00:00Z"},
 		},
+		{
+			name:   "this node",
+			object: fullNode(),
+			informer: func(f *InformerFactories) cache.SharedIndexInformer {
+				return f.Nodes.Core().V1().Nodes().Informer()
+			},
+		},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			_, ctx := ktesting.NewTestContext(t)
 			ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 			client := newFakeClient(tc.object)
-			f, err := NewInformerFactories(InformerOptions{Client: client})
+			f, err := NewInformerFactories(InformerOptions{Client: client, NodeName: testNode})
 			if err != nil {
 				t.Fatalf("NewInformerFactories: %v", err)
 			}

@@ -98,6 +98,9 @@ type Engine struct {
 	servicesSynced       atomic.Bool
 	endpointSlicesSynced atomic.Bool
 	nodesSynced          atomic.Bool
+	// otherNodesPending holds syncs back while a Service needs the other
+	// nodes' labels and they are still being listed (OnOtherNodesPending).
+	otherNodesPending atomic.Bool
 	// topologyChanged is set after a node-label change and consumed by the
 	// next sync, which then rebuilds every service.
 	topologyChanged atomic.Bool
@@ -270,12 +273,25 @@ func (e *Engine) OnNodeSynced() {
 	e.requestSync()
 }
 
-// cachesSynced reports whether the first sync may run: Services and
-// EndpointSlices synced, and Nodes too when WaitForNodes is set (the
-// topologyKeys annotation needs every node's labels: without them the first
-// sync would reject traffic of such services until the node list arrived).
+// OnOtherNodesPending implements config.OtherNodesHandler: while the other
+// nodes' labels that a topologyKeys Service needs are being listed, no sync
+// runs (it would reject the traffic of such services that the missing labels
+// would allow, as a first sync without Nodes would). OnNodeAdd, OnNodeUpdate
+// and OnNodeDelete take the other nodes' labels as they take this node's.
+func (e *Engine) OnOtherNodesPending(pending bool) {
+	e.otherNodesPending.Store(pending)
+	if !pending {
+		e.requestSync()
+	}
+}
+
+// cachesSynced reports whether a sync may run: Services and EndpointSlices
+// synced, this node's Node too when WaitForNodes is set (its labels give the
+// zone for topology hints and the topologyKeys values), and no other nodes'
+// labels pending.
 func (e *Engine) cachesSynced() bool {
-	return e.servicesSynced.Load() && e.endpointSlicesSynced.Load() && (!e.opts.WaitForNodes || e.nodesSynced.Load())
+	return e.servicesSynced.Load() && e.endpointSlicesSynced.Load() &&
+		(!e.opts.WaitForNodes || e.nodesSynced.Load()) && !e.otherNodesPending.Load()
 }
 
 func (e *Engine) markTopologyChanged() {
@@ -292,7 +308,7 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if !e.cachesSynced() {
-		e.logger.V(2).Info("Not syncing until Services, EndpointSlices (and Nodes, when awaited) are synced")
+		e.logger.V(2).Info("Not syncing until Services, EndpointSlices and Nodes (when awaited) are synced")
 		return nil
 	}
 	start := e.clock.Now()

@@ -9,7 +9,8 @@ import (
 )
 
 // MetaProxier drives one Engine per IP family on a dual-stack node: Services
-// and Nodes go to both, EndpointSlices to the engine of their address type.
+// and Nodes (this one and the other nodes' labels) go to both,
+// EndpointSlices to the engine of their address type.
 type MetaProxier struct {
 	ipv4, ipv6 Proxier
 }
@@ -103,3 +104,8 @@ func (m *MetaProxier) OnNodeDelete(n *v1.Node) { m.both(func(p Proxier) { p.OnNo
 
 // OnNodeSynced implements config.NodeHandler.
 func (m *MetaProxier) OnNodeSynced() { m.both(func(p Proxier) { p.OnNodeSynced() }) }
+
+// OnOtherNodesPending implements config.OtherNodesHandler.
+func (m *MetaProxier) OnOtherNodesPending(pending bool) {
+	m.both(func(p Proxier) { p.OnOtherNodesPending(pending) })
+}

@@ -29,6 +29,8 @@ type fakeProxier struct {
 	// synced records which caches were reported synced.
 	synced        map[string]bool
 	syncRequested bool
+	// otherNodesPending is the last OnOtherNodesPending value.
+	otherNodesPending bool
 	// looping is true while SyncLoop runs; started gets a token when it
 	// begins.
 	looping bool
@@ -75,6 +77,9 @@ func (f *fakeProxier) OnNodeUpdate(_, n *v1.Node) {
 func (f *fakeProxier) OnNodeDelete(n *v1.Node) { f.do(func() { delete(f.nodes, n.Name) }) }
 func (f *fakeProxier) OnNodeSynced()           { f.do(func() { f.synced["nodes"] = true }) }
 func (f *fakeProxier) Sync()                   { f.do(func() { f.syncRequested = true }) }
+func (f *fakeProxier) OnOtherNodesPending(pending bool) {
+	f.do(func() { f.otherNodesPending = pending })
+}
 
 func (f *fakeProxier) SyncLoop(ctx context.Context) {
 	f.do(func() { f.looping = true })
@@ -85,8 +90,8 @@ func (f *fakeProxier) SyncLoop(ctx context.Context) {
 
 // contents is what the fake holds, as sorted keys.
 type contents struct {
-	Services, Slices, Nodes, Synced []string
-	SyncRequested                   bool
+	Services, Slices, Nodes, Synced  []string
+	SyncRequested, OtherNodesPending bool
 }
 
 func (f *fakeProxier) contents() contents {
@@ -104,13 +109,14 @@ func (f *fakeProxier) contents() contents {
 		Slices:        slices.Sorted(maps.Keys(f.slices)),
 		Nodes:         slices.Sorted(maps.Keys(f.nodes)),
 		Synced:        synced,
-		SyncRequested: f.syncRequested,
+		SyncRequested: f.syncRequested, OtherNodesPending: f.otherNodesPending,
 	}
 }
 
 func contentsEqual(a, b contents) bool {
 	return slices.Equal(a.Services, b.Services) && slices.Equal(a.Slices, b.Slices) &&
-		slices.Equal(a.Nodes, b.Nodes) && slices.Equal(a.Synced, b.Synced) && a.SyncRequested == b.SyncRequested
+		slices.Equal(a.Nodes, b.Nodes) && slices.Equal(a.Synced, b.Synced) && a.SyncRequested == b.SyncRequested &&
+		a.OtherNodesPending == b.OtherNodesPending
 }
 
 func fqdnSlice(name string) *discovery.EndpointSlice {
@@ -200,6 +206,21 @@ func TestMetaProxierRouting(t *testing.T) {
 			},
 			wantIPv4: contents{Nodes: []string{"node-b"}},
 			wantIPv6: contents{Nodes: []string{"node-b"}},
+		},
+		{
+			name:     "other nodes pending goes to both",
+			events:   func(m *proxier.MetaProxier) { m.OnOtherNodesPending(true) },
+			wantIPv4: contents{OtherNodesPending: true},
+			wantIPv6: contents{OtherNodesPending: true},
+		},
+		{
+			name: "other nodes no longer pending goes to both",
+			events: func(m *proxier.MetaProxier) {
+				m.OnOtherNodesPending(true)
+				m.OnOtherNodesPending(false)
+			},
+			wantIPv4: contents{},
+			wantIPv6: contents{},
 		},
 		{
 			name: "synced notifications and sync requests go to both",

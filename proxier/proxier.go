@@ -16,6 +16,7 @@ type Proxier interface {
 	config.ServiceHandler
 	config.EndpointSliceHandler
 	config.NodeHandler
+	config.OtherNodesHandler
 	// Sync requests a sync as soon as the runner allows.
 	Sync()
 	// SyncLoop runs the sync loop until ctx is done.

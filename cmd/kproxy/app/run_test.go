@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
+	metadatafake "k8s.io/client-go/metadata/fake"
 	"k8s.io/klog/v2/ktesting"
 	"k8s.io/utils/ptr"
 
@@ -85,6 +86,8 @@ func startRunWith(t *testing.T, ct *conntrack.Fake, adjust func(*Options, *runDe
 		conntrack:    ct,
 		// The test Nodes have no addresses: do not wait for them.
 		nodeIPTimeout: 10 * time.Millisecond,
+		// No other nodes' metadata, unless a test adjusts it.
+		metadataClient: metadatafake.NewSimpleMetadataClient(metadatafake.NewTestScheme()),
 	}
 	if adjust != nil {
 		adjust(o, &deps)

@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
@@ -144,6 +145,7 @@ func Run(ctx context.Context, o *Options) error { return run(ctx, o, runDeps{}) 
 // field means the real one. Tests replace them.
 type runDeps struct {
 	client               kubernetes.Interface
+	metadataClient       metadata.Interface // other nodes' labels; set it with client
 	iptables             map[v1.IPFamily]ipt.Interface
 	sysctl, moduleParams conntrack.Sysctl
 	conntrack            conntrack.Interface
@@ -175,7 +177,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		}
 		defer ipvsK.close()
 	}
-	client := deps.client
+	client, metadataClient := deps.client, deps.metadataClient
 	if client == nil {
 		restCfg, err := clientcmd.BuildConfigFromFlags(o.Master, o.Kubeconfig)
 		if err != nil {
@@ -184,6 +186,9 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		restCfg.UserAgent = "kproxy/" + Version
 		if client, err = kubernetes.NewForConfig(restCfg); err != nil {
 			return fmt.Errorf("building API client: %w", err)
+		}
+		if metadataClient, err = metadata.NewForConfig(restCfg); err != nil {
+			return fmt.Errorf("building API metadata client: %w", err)
 		}
 	}
 	ipts := deps.iptables
@@ -296,7 +301,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	}
 
 	factories, err := config.NewInformerFactories(config.InformerOptions{
-		Client: client, ResyncPeriod: o.ConfigSyncPeriod, ServiceProxyName: o.ServiceProxyName,
+		Client: client, NodeName: name, ResyncPeriod: o.ConfigSyncPeriod, ServiceProxyName: o.ServiceProxyName,
 	})
 	if err != nil {
 		return err
@@ -305,6 +310,17 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	if err != nil {
 		return err
 	}
+	// The other nodes' labels, watched only while a Service uses
+	// topologyKeys; registered before p so that p holds its syncs back
+	// before it sees such a Service.
+	otherNodesCfg, err := config.NewOtherNodesConfig(ctx, config.OtherNodesOptions{
+		Client: metadataClient, NodeName: name, ResyncPeriod: o.ConfigSyncPeriod,
+	})
+	if err != nil {
+		return err
+	}
+	svcCfg.RegisterEventHandler(otherNodesCfg)
+	otherNodesCfg.RegisterEventHandler(p)
 	svcCfg.RegisterEventHandler(p)
 	epCfg, err := config.NewEndpointSliceConfig(ctx, factories.EndpointSlices.Discovery().V1().EndpointSlices(), o.ConfigSyncPeriod)
 	if err != nil {
@@ -316,7 +332,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		return err
 	}
 	nodeCfg.RegisterEventHandler(p)
-	// The health server follows this node's deletion and ignores other nodes.
+	// The health server follows this node's deletion and taints.
 	nodeCfg.RegisterEventHandler(health)
 
 	logger.Info("Starting kproxy", "version", Version, "node", name, "mode", mode, "families", len(engines))
@@ -324,6 +340,8 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	go svcCfg.Run(ctx)
 	go epCfg.Run(ctx)
 	go nodeCfg.Run(ctx)
+	var otherNodes sync.WaitGroup
+	otherNodes.Go(func() { otherNodesCfg.Run(ctx) })
 	var servers sync.WaitGroup
 	if o.HealthzBindAddress != "" {
 		servers.Go(func() { serveUntilDone(ctx, "proxy health", health.Run) })
@@ -340,6 +358,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	}
 	p.SyncLoop(ctx)
 	servers.Wait()
+	otherNodes.Wait()
 	factories.Shutdown()
 	logger.Info("kproxy stopped; rules stay in place until the next kproxy or --cleanup")
 	return nil
