@@ -5,6 +5,10 @@ GO ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X github.com/kproxy/kproxy/cmd/kproxy/app.Version=$(VERSION)
 BENCH_SERVICES ?= 1000 10000
+# make bench's process benchmark: Node objects at the largest size (0: none)
+# and proxy modes (a mode this kproxy rejects is reported as skipped).
+BENCH_NODES ?= 5000
+BENCH_MODES ?= iptables nftables
 
 .PHONY: all build deps test unit e2e lint bench clean image demo demo-down control-plane kind-e2e
 
@@ -68,6 +72,15 @@ bench: deps
 	  KPC_BIN_DIR="$$bin" KPC_LATENCY_OUT="$(CURDIR)/_output/latency.json" \
 	  $(GO) test -count=1 -run '^TestNetworkProgrammingLatency$$' -v -timeout 30m ./e2e/ | grep -E 'p50|p99|^(ok|FAIL|---)'
 	@echo "latency samples: _output/latency.json"
+	@# The kproxy process against the local control plane's API server
+	@# (test/procbench): first sync, write-to-kernel-commit time of one-endpoint
+	@# changes, CPU per change and peak RSS, per mode and size, and again at the
+	@# largest size with $(BENCH_NODES) Node objects.
+	@mkdir -p _output && bin=$$(hack/build-control-plane.sh | tail -n 1) && cd test && \
+	  KPROXY_PROCBENCH=1 KPC_BIN_DIR="$$bin" KPROXY_PROCBENCH_KPROXY="$$bin/kproxy" \
+	  KPROXY_PROCBENCH_SERVICES="$(BENCH_SERVICES)" KPROXY_PROCBENCH_NODES="$(BENCH_NODES)" \
+	  KPROXY_PROCBENCH_MODES="$(BENCH_MODES)" KPROXY_PROCBENCH_OUT="$(CURDIR)/_output/procbench.json" \
+	  $(GO) test -count=1 -run '^TestProcessBenchmark$$' -v -timeout 120m ./procbench/
 
 image:
 	docker build -t kproxy:$(VERSION) .

@@ -76,6 +76,11 @@ type Options struct {
 	BinDir string
 	// KproxyArgs are extra kproxy flags for every node.
 	KproxyArgs []string
+	// ControlPlaneOnly starts etcd and kube-apiserver only: no controller
+	// manager, scheduler, Node objects, node agents or kproxy. The network
+	// and every node's kubeconfigs are made as usual, for a caller that
+	// runs its own kproxy (test/procbench).
+	ControlPlaneOnly bool
 }
 
 // state is what state.json records of a running cluster.
@@ -84,6 +89,8 @@ type state struct {
 	Mode       string   `json:"mode"`
 	BinDir     string   `json:"binDir"`
 	KproxyArgs []string `json:"kproxyArgs,omitempty"`
+	// ControlPlaneOnly is Options.ControlPlaneOnly.
+	ControlPlaneOnly bool `json:"controlPlaneOnly,omitempty"`
 	// NodeKproxyArgs are the extra flags of StartKproxy per node, kept
 	// for RestartKproxy.
 	NodeKproxyArgs map[string][]string `json:"nodeKproxyArgs,omitempty"`
@@ -122,7 +129,11 @@ func Up(ctx context.Context, opts Options) (*Cluster, error) {
 	if err != nil {
 		return nil, fmt.Errorf("state directory: %w", err)
 	}
-	binDir, err := checkBinDir(opts.BinDir)
+	required := requiredBinaries
+	if opts.ControlPlaneOnly {
+		required = controlPlaneBinaries
+	}
+	binDir, err := checkBinDir(opts.BinDir, required...)
 	if err != nil {
 		return nil, err
 	}
@@ -146,6 +157,7 @@ func Up(ctx context.Context, opts Options) (*Cluster, error) {
 	c := &Cluster{l: l, st: state{
 		Nodes: opts.Nodes, Mode: opts.Mode, BinDir: binDir,
 		KproxyArgs: slices.Clone(opts.KproxyArgs), NodeKproxyArgs: map[string][]string{},
+		ControlPlaneOnly: opts.ControlPlaneOnly,
 	}}
 	if err := c.up(ctx); err != nil {
 		logger.Info("Up failed; stopping what it started", "err", err)
@@ -187,6 +199,13 @@ func (c *Cluster) up(ctx context.Context) error {
 		return err
 	}
 	logger.Info("API server ready", "elapsed", time.Since(began).Round(time.Millisecond))
+	if c.st.ControlPlaneOnly {
+		if err := c.waitNamespace(ctx, metav1.NamespaceDefault); err != nil {
+			return err
+		}
+		logger.Info("Control plane up", "kubeconfig", c.Kubeconfig(), "elapsed", time.Since(began).Round(time.Millisecond))
+		return nil
+	}
 	if err := c.startAll(ctx,
 		cp(progControllerManager, controllerManagerArgs(c.l)),
 		cp(progScheduler, schedulerArgs(c.l))); err != nil {
@@ -232,8 +251,12 @@ func (c *Cluster) abort(ctx context.Context) error {
 	return err
 }
 
-// checkBinDir checks that dir holds every program and returns it absolute.
-func checkBinDir(dir string) (string, error) {
+// checkBinDir checks that dir holds every program of required (all of
+// requiredBinaries when none is named) and returns it absolute.
+func checkBinDir(dir string, required ...string) (string, error) {
+	if len(required) == 0 {
+		required = requiredBinaries
+	}
 	if dir == "" {
 		return "", errors.New("no bin directory: run hack/build-control-plane.sh and pass the directory it prints")
 	}
@@ -242,7 +265,7 @@ func checkBinDir(dir string) (string, error) {
 		return "", fmt.Errorf("bin directory: %w", err)
 	}
 	var missing []string
-	for _, b := range requiredBinaries {
+	for _, b := range required {
 		if fi, err := os.Stat(filepath.Join(abs, b)); err != nil || fi.Mode()&0o111 == 0 {
 			missing = append(missing, b)
 		}
@@ -681,6 +704,15 @@ func (c *Cluster) NodeNames() []string {
 // "kube-controller-manager", "kube-scheduler", "agent/<node>" or
 // "kproxy/<node>".
 func (c *Cluster) Log(name string) string { return c.l.logFile(name) }
+
+// KproxyKubeconfig is the kubeconfig kproxy on node uses: kube-proxy's
+// identity and the API server's address on the switch.
+func (c *Cluster) KproxyKubeconfig(node string) (string, error) {
+	if _, err := c.node(node); err != nil {
+		return "", err
+	}
+	return c.l.kproxyKubeconfig(node), nil
+}
 
 // KproxyLog is the log file of kproxy on node; restarts append to it.
 func (c *Cluster) KproxyLog(node string) string { return c.l.logFile(progKproxy + "/" + node) }

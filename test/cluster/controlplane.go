@@ -21,6 +21,9 @@ const (
 // requiredBinaries must all be in the bin directory.
 var requiredBinaries = []string{progEtcd, progAPIServer, progControllerManager, progScheduler, progKpc, progKproxy}
 
+// controlPlaneBinaries are what Options.ControlPlaneOnly needs.
+var controlPlaneBinaries = []string{progEtcd, progAPIServer}
+
 // controllers are the kube-controller-manager controllers the local cluster
 // runs. There is no node lifecycle controller: nodes are never tainted or
 // evicted, and their Ready condition is whatever the node agent says.

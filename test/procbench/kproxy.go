@@ -1,0 +1,210 @@
+package procbench
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/kproxy/kproxy/pkg/netnstest"
+)
+
+// KproxyOptions say how to run kproxy.
+type KproxyOptions struct {
+	// Binary is the kproxy program.
+	Binary string
+	// NetNS is the network namespace it runs in (`ip netns exec`, which
+	// execs it in place: the pid started is kproxy's).
+	NetNS *netnstest.NS
+	// Kubeconfig, Node and Mode are --kubeconfig, --hostname-override and
+	// --proxy-mode.
+	Kubeconfig, Node, Mode string
+	// MetricsAddress is --metrics-bind-address, inside NetNS.
+	MetricsAddress string
+	// Log receives kproxy's output.
+	Log string
+}
+
+// args are kproxy's flags: as a DaemonSet runs it, with the metrics and
+// health servers on the namespace's loopback.
+func (o KproxyOptions) args() []string {
+	return []string{
+		"--kubeconfig=" + o.Kubeconfig,
+		"--hostname-override=" + o.Node,
+		"--proxy-mode=" + o.Mode,
+		"--cluster-cidr=" + ClusterCIDR,
+		"--metrics-bind-address=" + o.MetricsAddress,
+		"--healthz-bind-address=127.0.0.1:10256",
+		"-v=1",
+	}
+}
+
+// CheckMode runs kproxy's own validation of opts' flags (--write-config-to,
+// which validates and exits): an error when kproxy rejects them, e.g. a
+// proxy mode this build does not have.
+func CheckMode(ctx context.Context, opts KproxyOptions) error {
+	tmp, err := os.CreateTemp("", "procbench-config-*.yaml")
+	if err != nil {
+		return err
+	}
+	tmp.Close()
+	defer os.Remove(tmp.Name())
+	cmd := exec.CommandContext(ctx, opts.Binary, append(opts.args(), "--write-config-to="+tmp.Name())...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%w: %s", err, firstLines(string(out), 3))
+	}
+	return nil
+}
+
+// Kproxy is a running kproxy process.
+type Kproxy struct {
+	opts    KproxyOptions
+	cmd     *exec.Cmd
+	Started time.Time
+	done    chan struct{}
+	waitErr error
+	client  *http.Client
+}
+
+// StartKproxy starts kproxy in its own session, its output appended to
+// opts.Log. Stop ends it.
+func StartKproxy(opts KproxyOptions) (*Kproxy, error) {
+	logf, err := os.OpenFile(opts.Log, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("opening kproxy's log: %w", err)
+	}
+	defer logf.Close()
+	argv := append([]string{"ip", "netns", "exec", opts.NetNS.Name, opts.Binary}, opts.args()...)
+	fmt.Fprintf(logf, "=== procbench: starting at %s: %s\n", time.Now().Format(time.RFC3339Nano), strings.Join(argv, " "))
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	k := &Kproxy{opts: opts, cmd: cmd, done: make(chan struct{})}
+	k.client = &http.Client{
+		Timeout: 5 * time.Second,
+		Transport: &http.Transport{
+			DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+				return opts.NetNS.Dial(ctx, network, addr)
+			},
+			MaxIdleConnsPerHost: 1,
+		},
+	}
+	k.Started = time.Now()
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting kproxy: %w", err)
+	}
+	go func() {
+		k.waitErr = cmd.Wait()
+		close(k.done)
+	}()
+	return k, nil
+}
+
+// PID is kproxy's pid.
+func (k *Kproxy) PID() int { return k.cmd.Process.Pid }
+
+// Exited reports whether kproxy has exited, and how.
+func (k *Kproxy) Exited() (bool, error) {
+	select {
+	case <-k.done:
+		return true, k.waitErr
+	default:
+		return false, nil
+	}
+}
+
+// Stop sends SIGTERM to kproxy's session, then SIGKILL after grace, and
+// waits for it.
+func (k *Kproxy) Stop(grace time.Duration) error {
+	k.client.CloseIdleConnections()
+	if exited, _ := k.Exited(); exited {
+		return nil
+	}
+	pgid := k.cmd.Process.Pid
+	if err := syscall.Kill(-pgid, syscall.SIGTERM); err != nil && !errors.Is(err, syscall.ESRCH) {
+		return fmt.Errorf("stopping kproxy: %w", err)
+	}
+	select {
+	case <-k.done:
+		return nil
+	case <-time.After(grace):
+	}
+	if err := syscall.Kill(-pgid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
+		return fmt.Errorf("killing kproxy: %w", err)
+	}
+	select {
+	case <-k.done:
+		return nil
+	case <-time.After(10 * time.Second):
+		return fmt.Errorf("kproxy (pid %d) still runs after SIGKILL", pgid)
+	}
+}
+
+// Scrape reads kproxy's /metrics.
+func (k *Kproxy) Scrape(ctx context.Context) (Samples, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+k.opts.MetricsAddress+"/metrics", nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := k.client.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("/metrics: HTTP %d: %s", resp.StatusCode, firstLines(string(body), 2))
+	}
+	return ParseSamples(string(body))
+}
+
+// SyncState scrapes kproxy's IPv4 sync state.
+func (k *Kproxy) SyncState(ctx context.Context) (syncState, error) {
+	s, err := k.Scrape(ctx)
+	if err != nil {
+		return syncState{}, err
+	}
+	return syncStateOf(s), nil
+}
+
+// Usage reads kproxy's resource use.
+func (k *Kproxy) Usage() (Usage, error) { return readUsage(k.PID()) }
+
+// LogTail is the end of kproxy's log, for errors.
+func (k *Kproxy) LogTail(lines int) string { return tailFile(k.opts.Log, lines) }
+
+// tailFile returns up to n last lines of a file.
+func tailFile(path string, n int) string {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return ""
+	}
+	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// firstLines returns up to n first non-empty lines of s, joined by " | ".
+func firstLines(s string, n int) string {
+	var out []string
+	for _, l := range strings.Split(string(bytes.TrimSpace([]byte(s))), "\n") {
+		if l = strings.TrimSpace(l); l != "" && len(out) < n {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, " | ")
+}

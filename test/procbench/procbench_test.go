@@ -1,0 +1,321 @@
+package procbench
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+	"k8s.io/klog/v2/ktesting"
+
+	"github.com/kproxy/kproxy/test/cluster"
+)
+
+const (
+	// lockPath serialises every local cluster on the machine (make demo,
+	// the e2e suite, this benchmark).
+	lockPath = "/tmp/kpc-cluster.lock"
+	// teardownReserve is the part of -test.timeout kept for taking the
+	// control plane down.
+	teardownReserve = time.Minute
+	// populateWorkers is how many API requests are in flight while
+	// creating objects.
+	populateWorkers = 16
+)
+
+// TestProcessBenchmark measures the real kproxy process against the local
+// cluster's API server (see the package documentation). It runs only with
+// KPROXY_PROCBENCH=1 (`make bench`), as root, and takes the machine's
+// cluster lock.
+func TestProcessBenchmark(t *testing.T) {
+	if os.Getenv(EnvEnable) != "1" {
+		t.Skipf("a benchmark of the kproxy process on a local control plane: set %s=1 (make bench)", EnvEnable)
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (network namespaces)")
+	}
+	cfg, err := ParseConfig(os.Getenv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Out == "" {
+		cfg.Out = filepath.Join(repoRoot(t), "_output", "procbench.json")
+	}
+	// A signal or the test's deadline cancels ctx, so that every cleanup
+	// still runs.
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	if dl, ok := t.Deadline(); ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, dl.Add(-teardownReserve))
+		defer cancel()
+	}
+	logger := ktesting.NewLogger(t, ktesting.NewConfig(ktesting.Verbosity(1)))
+	ctx = klog.NewContext(ctx, logger)
+	began := time.Now()
+	say := func(format string, args ...any) {
+		fmt.Printf("procbench: [%6.1fs] %s\n", time.Since(began).Seconds(), fmt.Sprintf(format, args...))
+	}
+
+	binary := cfg.Kproxy
+	if binary == "" {
+		binary = buildKproxy(t)
+	}
+	binDir := findBinDir(t)
+	logDir := filepath.Join(filepath.Dir(cfg.Out), "procbench-logs")
+	if err := os.MkdirAll(logDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+
+	unlock := lockClusters(t, say)
+	defer unlock()
+
+	say("starting the control plane (etcd, kube-apiserver; state %s)", cfg.StateDir)
+	c, err := cluster.Up(ctx, cluster.Options{Nodes: 1, ControlPlaneOnly: true, StateDir: cfg.StateDir, BinDir: binDir})
+	if errors.Is(err, cluster.ErrAlreadyUp) {
+		t.Fatalf("%v: another local cluster runs (`make demo-down` removes the demo's)", err)
+	}
+	// From here on the kpc namespaces are this test's: take everything
+	// down, whatever happens (Up removed what it started when it failed,
+	// but kept its state directory).
+	defer func() {
+		if err := cluster.Down(context.Background(), cfg.StateDir); err != nil {
+			t.Errorf("taking the control plane down: %v", err)
+		}
+		say("control plane down")
+	}()
+	if err != nil {
+		t.Fatalf("starting the control plane: %v", err)
+	}
+	kubeconfig, err := c.KproxyKubeconfig(cluster.NodeName(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, err := fastClient(c.Kubeconfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs := NewObjects(client, populateWorkers)
+	if err := objs.EnsureNamespace(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := objs.CreateMeasuredNode(ctx, NodeIP); err != nil {
+		t.Fatal(err)
+	}
+	say("control plane up")
+
+	notes := map[string]string{}
+	if ok, why := ipvsSupport(); !ok {
+		notes["ipvs"] = "not measured: " + why
+		say("ipvs: not measured: %s", why)
+	}
+	var results []Result
+	report := func() {
+		if len(results) == 0 {
+			return
+		}
+		fmt.Println("procbench: " + TableHeader())
+		for _, r := range results {
+			fmt.Println("procbench: " + TableLine(r))
+		}
+		if err := NewReport(results, notes).Write(cfg.Out); err != nil {
+			t.Error(err)
+			return
+		}
+		say("wrote %s", cfg.Out)
+	}
+	defer report()
+
+	for _, step := range cfg.Steps() {
+		start := time.Now()
+		if err := objs.GrowServices(ctx, step.Services); err != nil {
+			t.Fatalf("creating Services: %v", err)
+		}
+		if step.Nodes > objs.Nodes() {
+			if err := objs.GrowNodes(ctx, step.Nodes); err != nil {
+				t.Fatalf("creating Nodes: %v", err)
+			}
+		}
+		say("%d Services (%d endpoints), %d Nodes in place (%.1f s)",
+			objs.Services(), objs.Services()*EndpointsPerService, objs.Nodes(), time.Since(start).Seconds())
+		for _, mode := range cfg.Modes {
+			if mode == "ipvs" {
+				if ok, why := ipvsSupport(); !ok {
+					results = append(results, Result{Mode: mode, Services: objs.Services(), Nodes: objs.Nodes(), Skipped: why})
+					continue
+				}
+			}
+			say("%s: %d Services, %d Nodes: starting kproxy", mode, objs.Services(), objs.Nodes())
+			runStart := time.Now()
+			res, err := Run(ctx, RunOptions{
+				Kproxy: KproxyOptions{
+					Binary: binary, Kubeconfig: kubeconfig, Node: MeasuredNode, Mode: mode,
+					MetricsAddress: "127.0.0.1:10249",
+					Log:            filepath.Join(logDir, fmt.Sprintf("kproxy-%s-%d-%d.log", mode, objs.Services(), objs.Nodes())),
+				},
+				Objects: objs,
+				Changes: cfg.Changes,
+				Logf:    say,
+			})
+			if err != nil {
+				if ctx.Err() != nil {
+					t.Fatalf("%s run: %v (%v)", mode, err, context.Cause(ctx))
+				}
+				t.Errorf("%s run with %d Services, %d Nodes: %v", mode, objs.Services(), objs.Nodes(), err)
+				continue
+			}
+			results = append(results, res)
+			say("%s (run took %.0f s)", TableLine(res), time.Since(runStart).Seconds())
+		}
+	}
+}
+
+// fastClient is an admin client for populating the API server quickly: no
+// client-side rate limiting, and protobuf rather than JSON (less of the
+// API server's CPU per object).
+func fastClient(kubeconfig string) (kubernetes.Interface, error) {
+	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("loading %s: %w", kubeconfig, err)
+	}
+	cfg.UserAgent = "procbench"
+	cfg.QPS, cfg.Burst = 5000, 10000
+	cfg.ContentType = "application/vnd.kubernetes.protobuf"
+	cfg.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
+	return kubernetes.NewForConfig(cfg)
+}
+
+// repoRoot is the kproxy repository's root: two levels up.
+func repoRoot(t *testing.T) string {
+	t.Helper()
+	root, err := filepath.Abs(filepath.Join("..", ".."))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(root, "cmd", "kproxy")); err != nil {
+		t.Fatalf("no cmd/kproxy under %s: %v", root, err)
+	}
+	return root
+}
+
+// buildKproxy builds cmd/kproxy of this repository.
+func buildKproxy(t *testing.T) string {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), "kproxy")
+	cmd := exec.Command("go", "build", "-o", out, "./cmd/kproxy")
+	cmd.Dir = repoRoot(t)
+	if data, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build ./cmd/kproxy: %v: %s", err, bytes.TrimSpace(data))
+	}
+	return out
+}
+
+// findBinDir is $KPC_BIN_DIR, or what hack/build-control-plane.sh prints.
+func findBinDir(t *testing.T) string {
+	t.Helper()
+	if d := os.Getenv("KPC_BIN_DIR"); d != "" {
+		return d
+	}
+	script := filepath.Join(repoRoot(t), "hack", "build-control-plane.sh")
+	cmd := exec.Command(script)
+	cmd.Stderr = os.Stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("%s: %v (set KPC_BIN_DIR to skip the build)", script, err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	return strings.TrimSpace(lines[len(lines)-1])
+}
+
+// lockClusters takes lockPath, waiting for its holder, and returns its
+// release. When a process this one descends from holds it (the benchmark
+// run under `flock /tmp/kpc-cluster.lock ...`), that lock covers this run.
+func lockClusters(t *testing.T, say func(string, ...any)) func() {
+	t.Helper()
+	f, err := os.OpenFile(lockPath, os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		t.Fatalf("opening %s: %v", lockPath, err)
+	}
+	release := func() { _ = f.Close() }
+	err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+	if err == nil {
+		return release
+	}
+	if !errors.Is(err, unix.EWOULDBLOCK) {
+		release()
+		t.Fatalf("locking %s: %v", lockPath, err)
+	}
+	holder, _ := lockHolder(f)
+	if holder > 0 && isAncestor(holder) {
+		say("%s is held by pid %d, an ancestor of this test", lockPath, holder)
+		return release
+	}
+	say("waiting for %s (held by pid %d: another local cluster run)", lockPath, holder)
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+		release()
+		t.Fatalf("locking %s: %v", lockPath, err)
+	}
+	say("took %s", lockPath)
+	return release
+}
+
+// lockHolder finds the pid holding a flock on f in /proc/locks.
+func lockHolder(f *os.File) (int, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return 0, err
+	}
+	id := fmt.Sprintf("%02x:%02x:%d", unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino)
+	data, err := os.ReadFile("/proc/locks")
+	if err != nil {
+		return 0, err
+	}
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	for sc.Scan() {
+		// "3: FLOCK  ADVISORY  WRITE 14939 fe:00:9773225 0 EOF"
+		fields := strings.Fields(sc.Text())
+		if len(fields) >= 6 && fields[1] == "FLOCK" && fields[5] == id {
+			return strconv.Atoi(fields[4])
+		}
+	}
+	return 0, sc.Err()
+}
+
+// isAncestor reports whether pid is this process's parent, grandparent...
+func isAncestor(pid int) bool {
+	for p := os.Getppid(); p > 1; {
+		if p == pid {
+			return true
+		}
+		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p))
+		if err != nil {
+			return false
+		}
+		i := bytes.LastIndexByte(data, ')')
+		if i < 0 {
+			return false
+		}
+		fields := strings.Fields(string(data[i+1:]))
+		if len(fields) < 2 {
+			return false
+		}
+		if p, err = strconv.Atoi(fields[1]); err != nil {
+			return false
+		}
+	}
+	return false
+}
