@@ -95,6 +95,8 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
+	"syscall"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -184,8 +186,10 @@ type Backend struct {
 	// state is what the last successful transaction left in the table;
 	// nil until a full sync succeeded (and after a failure).
 	state *tableState
-	// options are the decision options state was rendered with.
+	// options are the decision options state was rendered with, layout
+	// its layout.
 	options proxy.DecisionOptions
+	layout  *layout
 	// needRebuild makes the next sync a rebuild.
 	needRebuild bool
 	lastCanary  time.Time
@@ -232,13 +236,16 @@ func New(opts Options) (*Backend, error) {
 }
 
 // NewInterface returns a knftables.Interface for family's kproxy table
-// ("ip kproxy" or "ip6 kproxy"). It runs nft to check that nft works.
+// ("ip kproxy" or "ip6 kproxy"). It runs nft to check that nft works. The
+// table's object names are listed over netlink (knftables.UseNetlink):
+// "nft list" reads every set element of the table first, seconds at
+// 10,000 services.
 func NewInterface(family v1.IPFamily) (knftables.Interface, error) {
 	switch family {
 	case v1.IPv4Protocol:
-		return knftables.New(knftables.IPv4Family, TableName)
+		return knftables.New(knftables.IPv4Family, TableName, knftables.UseNetlink)
 	case v1.IPv6Protocol:
-		return knftables.New(knftables.IPv6Family, TableName)
+		return knftables.New(knftables.IPv6Family, TableName, knftables.UseNetlink)
 	}
 	return nil, fmt.Errorf("nftables: unknown IP family %q", family)
 }
@@ -278,8 +285,11 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 	err := b.sync(ctx, state, mode, &st)
 	mode = st.Mode
 	if err != nil && mode == modePartial {
-		logger.Error(err, "Partial nftables sync failed; rebuilding the table", "family", b.opts.Family)
 		mode = modeRebuild
+		if errors.Is(err, errUnknownServices) {
+			mode = modeReconcile
+		}
+		logger.Error(err, "Partial nftables sync failed; trying a full one", "family", b.opts.Family, "mode", mode)
 		st = SyncStats{Mode: mode, ReadTime: st.ReadTime, KernelTime: st.KernelTime, Transactions: st.Transactions}
 		err = b.sync(ctx, state, mode, &st)
 		mode = st.Mode
@@ -369,12 +379,8 @@ func (p *plan) transaction(nft knftables.Interface, isMap map[string]bool, st *S
 	for _, group := range [][]*chainDef{p.createChains, p.rewriteChains} {
 		for _, c := range group {
 			tx.Flush(&knftables.Chain{Name: c.name})
-			for i, r := range c.rules {
-				rule := &knftables.Rule{Chain: c.name, Rule: r}
-				if i == 0 {
-					rule.Comment = knftables.PtrTo(c.hash())
-				}
-				tx.Add(rule)
+			for _, r := range c.rules {
+				tx.Add(&knftables.Rule{Chain: c.name, Rule: r})
 			}
 			st.RulesWritten[c.table] += len(c.rules)
 			st.ChainsWritten++
@@ -471,10 +477,10 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 		st.Transactions++
 		if err != nil {
 			klog.FromContext(ctx).V(4).Info("Failed nftables transaction", "transaction", tx.String())
-			return fmt.Errorf("nftables %s sync: %w", mode, err)
+			return fmt.Errorf("nftables %s sync: %w", st.Mode, err)
 		}
 	}
-	b.state = next
+	b.state, b.layout = next, l
 	st.NATRules, st.FilterRules = 0, 0
 	for _, c := range append(l.staticChains(), next.sortedChains()...) {
 		if c.table == "nat" {
@@ -491,13 +497,15 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 func (b *Backend) planPartial(l *layout, state *proxy.NodeState, npIPs map[netip.Addr]bool) (*plan, error) {
 	s := b.state
 	next := map[proxy.ServicePortName]*renderedService{}
-	for name := range s.services {
-		if _, ok := state.Services[name]; !ok && state.Changed.Has(name.NamespacedName) {
-			next[name] = nil
+	for nn := range state.Changed {
+		for _, name := range s.byName[nn] {
+			if _, ok := state.Services[name]; !ok {
+				next[name] = nil
+			}
 		}
 	}
 	for name, svc := range state.Services {
-		if _, known := s.services[name]; known && !state.Changed.Has(name.NamespacedName) {
+		if !state.Changed.Has(name.NamespacedName) {
 			continue
 		}
 		rs, err := l.render(svc)
@@ -508,6 +516,23 @@ func (b *Backend) planPartial(l *layout, state *proxy.NodeState, npIPs map[netip
 		}
 		next[name] = rs
 	}
+	// Every service port the state has must be known after the update:
+	// one that is neither known nor changed means that the state's
+	// Changed missed it.
+	after := len(s.services)
+	for name, rs := range next {
+		_, known := s.services[name]
+		switch {
+		case rs == nil && known:
+			after--
+		case rs != nil && !known:
+			after++
+		}
+	}
+	if after != len(state.Services) {
+		return nil, errUnknownServices
+	}
+	oldDigest := s.digest
 	cs := s.update(next)
 	p := &plan{l: l}
 	for _, c := range cs.chainsAdded {
@@ -559,29 +584,36 @@ func (b *Backend) planPartial(l *layout, state *proxy.NodeState, npIPs map[netip
 		newNP = append(newNP, nodePortIPElem(a))
 	}
 	diffElems(oldNP, newNP, &p.deletes, &p.adds)
-	s.nodePortIPs = npIPs
+	s.setNodePortIPs(npIPs)
+	if s.digest != oldDigest {
+		p.deletes = append(p.deletes, l.stateCanary(oldDigest))
+		p.adds = append(p.adds, l.stateCanary(s.digest))
+	}
 	p.staleChains = cs.chainsGone
 	return p, nil
 }
+
+// errUnknownServices: a partial sync was given service ports it never saw
+// that the state does not name as changed; a full sync renders them.
+var errUnknownServices = errors.New("the state has service ports that are neither known nor changed")
 
 // kernelState is what a full sync reads of the table.
 type kernelState struct {
 	exists bool
 	chains map[string]bool
 	sets   map[string]bool
-	// rules is, per chain, its rule count and its first rule's comment.
-	rules map[string]chainInfo
+	// layout and digest are what the sync-state canary records ("" when
+	// missing), stateComment its comment.
+	layout, digest, stateComment string
+	// trusted: the table holds the desired elements (same layout and
+	// digest, canaries and rule counts checked): nothing else was listed.
+	trusted bool
 	// small holds the elements of the listed maps and sets (canaries
-	// left out), by elem.id, with their elem.val.
+	// left out), by elem.id.
 	small map[string]elem
 	// dests are the destinations of the dispatch elements, with the hash
 	// and counts of their endpoint slots.
 	dests map[destKey]destInfo
-}
-
-type chainInfo struct {
-	count   int
-	comment string
 }
 
 type destInfo struct {
@@ -589,92 +621,134 @@ type destInfo struct {
 	counts [2]int
 }
 
-// readKernel lists the table without its endpoints maps. An error means the
-// table cannot be trusted (or read): the caller rebuilds it.
-func (b *Backend) readKernel(ctx context.Context, l *layout) (*kernelState, error) {
+func newKernelState() *kernelState {
+	return &kernelState{chains: map[string]bool{}, sets: map[string]bool{}, small: map[string]elem{}, dests: map[destKey]destInfo{}}
+}
+
+// readKernel lists the table's objects and every map and set but the
+// endpoints maps (large: their content follows from the dispatch
+// elements' comments), and checks, in one "nft --check" transaction, that
+// every canary is there and, when the layout is the same, that every chain
+// still has its rules. It never lists rules: nft reads every set element of
+// the table to do so. An error means the table cannot be trusted (or read):
+// the caller rebuilds it.
+func (b *Backend) readKernel(ctx context.Context, l *layout, chains []*chainDef, want *tableState) (*kernelState, error) {
 	k, err := b.readNames(ctx)
 	if err != nil || !k.exists {
 		return k, err
 	}
-	// The canaries first: a flushed map would make the hashes lie.
-	tx := b.nft.NewTransaction()
-	for _, sd := range l.sets() {
-		if sd.dynamic || !k.sets[sd.name] {
-			continue
-		}
-		tx.Delete(sd.canary.deleteObject(sd.isMap))
-		tx.Add(sd.canary.object(sd.isMap))
-	}
-	if tx.NumOperations() > 0 {
-		if err := b.nft.Check(ctx, tx); err != nil {
-			return nil, fmt.Errorf("checking canary elements: %w", err)
-		}
-	}
-	rules, err := b.nft.ListRules(ctx, "")
-	if err != nil {
-		return nil, fmt.Errorf("listing rules: %w", err)
-	}
-	for _, r := range rules {
-		ci, seen := k.rules[r.Chain]
-		if !seen && r.Comment != nil {
-			ci.comment = *r.Comment
-		}
-		ci.count++
-		k.rules[r.Chain] = ci
-	}
-	for _, sd := range l.sets() {
-		if sd.dynamic || sd.big || !k.sets[sd.name] {
-			continue
-		}
+	list := func(sd *setDef, each func(e elem) error) error {
 		kind := "set"
 		if sd.isMap {
 			kind = "map"
 		}
 		elems, err := b.nft.ListElements(ctx, kind, sd.name)
 		if err != nil {
-			return nil, fmt.Errorf("listing %s %s: %w", kind, sd.name, err)
+			return fmt.Errorf("listing %s %s: %w", kind, sd.name, err)
 		}
 		for _, ke := range elems {
 			e := elem{set: sd.name, key: ke.Key, value: ke.Value}
 			if ke.Comment != nil {
 				e.comment = *ke.Comment
 			}
-			if e.comment == canaryComment {
-				continue
+			if err := each(e); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	sets := l.sets()
+	allSets := true
+	for _, sd := range sets {
+		allSets = allSets && k.sets[sd.name]
+	}
+	if k.sets[setSyncState] {
+		err := list(&setDef{name: setSyncState}, func(e elem) error {
+			if strings.HasPrefix(e.comment, canaryComment) {
+				k.stateComment = e.comment
+				k.layout, k.digest = parseStateCanary(e.comment)
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, err
+		}
+	}
+	k.trusted = allSets && k.layout == l.hash() && k.digest == fmt.Sprintf("%016x", want.digest)
+	for _, sd := range sets {
+		if k.trusted || sd.dynamic || sd.big || sd.name == setSyncState || !k.sets[sd.name] {
+			continue
+		}
+		err := list(sd, func(e elem) error {
+			if strings.HasPrefix(e.comment, canaryComment) {
+				return nil
 			}
 			k.small[e.id()] = e
 			if sd.name != mapServiceIPs && sd.name != mapServiceNodePorts {
-				continue
+				return nil
 			}
 			dk, ok := parseDispatchKey(sd.name == mapServiceNodePorts, e.key)
 			hash, counts, ok2 := parseDispatchComment(e.comment)
 			if !ok || !ok2 {
-				return nil, fmt.Errorf("unexpected element %s (comment %q)", e.id(), e.comment)
+				return fmt.Errorf("unexpected element %s (comment %q)", e.id(), e.comment)
 			}
 			k.dests[dk] = destInfo{hash: hash, counts: counts}
+			return nil
+		})
+		if err != nil {
+			return nil, err
+		}
+	}
+	// The canaries (a flushed map would make the hashes lie) and the
+	// chains' rules (when they are to be trusted).
+	tx := b.nft.NewTransaction()
+	for _, sd := range sets {
+		if sd.dynamic || !k.sets[sd.name] {
+			continue
+		}
+		c := sd.canary
+		if sd.name == setSyncState {
+			if k.stateComment == "" {
+				return nil, errors.New("sync-state has no canary")
+			}
+			c.comment = k.stateComment
+		}
+		tx.Delete(c.deleteObject(sd.isMap))
+		tx.Add(c.object(sd.isMap))
+	}
+	if k.layout == l.hash() {
+		for _, c := range chains {
+			if k.chains[c.name] && len(c.rules) > 0 {
+				tx.Add(&knftables.Rule{Chain: c.name, Rule: "counter", Index: knftables.PtrTo(len(c.rules) - 1)})
+			}
+		}
+	}
+	if tx.NumOperations() > 0 {
+		if err := b.nft.Check(ctx, tx); err != nil {
+			return nil, fmt.Errorf("checking canary elements and rules: %w", err)
 		}
 	}
 	return k, nil
 }
 
-// readNames lists the table's objects (a missing table is an empty one).
+// readNames lists the table's objects. A missing table, or one without
+// objects, is reported as absent.
 func (b *Backend) readNames(ctx context.Context) (*kernelState, error) {
-	k := &kernelState{chains: map[string]bool{}, sets: map[string]bool{}, rules: map[string]chainInfo{},
-		small: map[string]elem{}, dests: map[destKey]destInfo{}}
+	k := newKernelState()
 	names, err := b.nft.ListAll(ctx)
-	if knftables.IsNotFound(err) {
+	if knftables.IsNotFound(err) || errors.Is(err, syscall.ENOENT) {
 		return k, nil
 	}
 	if err != nil {
 		return nil, fmt.Errorf("listing the table: %w", err)
 	}
-	k.exists = true
 	for _, c := range names["chain"] {
 		k.chains[c] = true
 	}
 	for _, s := range append(names["set"], names["map"]...) {
 		k.sets[s] = true
 	}
+	k.exists = len(k.chains)+len(k.sets) > 0
 	return k, nil
 }
 
@@ -716,13 +790,14 @@ func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeStat
 		all[name] = rs
 	}
 	next.update(all)
-	next.nodePortIPs = npIPs
+	next.setNodePortIPs(npIPs)
 
 	start := b.clock.Now()
 	var k *kernelState
 	var err error
+	chains := append(l.staticChains(), next.sortedChains()...)
 	if mode == modeReconcile {
-		k, err = b.readKernel(ctx, l)
+		k, err = b.readKernel(ctx, l, chains, next)
 		if err != nil {
 			logger.Info("Cannot reconcile kproxy's nftables table; rebuilding it", "family", b.opts.Family, "err", err)
 			mode = modeRebuild
@@ -732,14 +807,13 @@ func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeStat
 	if mode == modeRebuild {
 		if k, err = b.readNames(ctx); err != nil {
 			logger.Info("Cannot list kproxy's nftables table; rewriting it", "family", b.opts.Family, "err", err)
-			k = &kernelState{exists: true, chains: map[string]bool{}, sets: map[string]bool{}, rules: map[string]chainInfo{},
-				small: map[string]elem{}, dests: map[destKey]destInfo{}}
+			k = newKernelState()
 		}
 	}
 	st.ReadTime += b.clock.Since(start)
 	rebuild := mode == modeRebuild
 
-	p := &plan{l: l, addTable: !k.exists}
+	p := &plan{l: l, addTable: rebuild || !k.exists}
 	sets := l.sets()
 	wantSet := map[string]bool{}
 	for _, sd := range sets {
@@ -751,14 +825,16 @@ func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeStat
 			p.flushSets = append(p.flushSets, sd)
 		}
 	}
-	chains := append(l.staticChains(), next.sortedChains()...)
+	// Chains of the same layout hold what their names say (readKernel
+	// checked their rule counts).
+	sameLayout := !rebuild && k.layout == l.hash()
 	wantChain := map[string]bool{}
 	for _, c := range chains {
 		wantChain[c.name] = true
-		switch ci, ok := k.rules[c.name]; {
+		switch {
 		case !k.chains[c.name]:
 			p.createChains = append(p.createChains, c)
-		case rebuild || !ok || ci.count != len(c.rules) || ci.comment != c.hash():
+		case !sameLayout:
 			p.rewriteChains = append(p.rewriteChains, c)
 		}
 	}
@@ -775,6 +851,10 @@ func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeStat
 	}
 	slices.Sort(p.staleSets)
 
+	if k.trusted {
+		// Same layout, same digest: the elements are those wanted.
+		return next, p, nil
+	}
 	// Small maps and sets: against what was listed (nothing on a rebuild,
 	// whose flushes empty them).
 	var kernelSmall []elem
@@ -785,8 +865,13 @@ func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeStat
 	}
 	wantSmall := next.smallElems(l)
 	if !rebuild {
-		// Canaries of maps that exist are there (readKernel checked).
-		wantSmall = slices.DeleteFunc(wantSmall, func(e elem) bool { return e.comment == canaryComment && k.sets[e.set] })
+		// Canaries of maps that exist are there (readKernel checked);
+		// sync-state's records the layout and the digest.
+		wantSmall = slices.DeleteFunc(wantSmall, func(e elem) bool { return strings.HasPrefix(e.comment, canaryComment) && k.sets[e.set] })
+		if c := l.stateCanary(next.digest); k.sets[setSyncState] && k.stateComment != c.comment {
+			p.deletes = append(p.deletes, c)
+			p.adds = append(p.adds, c)
+		}
 	}
 	diffElems(kernelSmall, wantSmall, &p.deletes, &p.adds)
 
@@ -844,12 +929,11 @@ func sortedDestKeys[V any](m map[destKey]V) []destKey {
 // canary checks, in one "nft --check" transaction, that every chain still
 // has its rules and every map and set its canary element.
 func (b *Backend) canary(ctx context.Context) error {
-	if b.state == nil {
+	if b.state == nil || b.layout == nil {
 		return errors.New("no table written yet")
 	}
-	l := &layout{fam: b.fam, masqMark: b.masqMark}
+	l := b.layout
 	tx := b.nft.NewTransaction()
-	// The rule counts of the static chains do not depend on the options.
 	for _, c := range append(l.staticChains(), b.state.sortedChains()...) {
 		if n := len(c.rules); n > 0 {
 			tx.Add(&knftables.Rule{Chain: c.name, Rule: "counter", Index: knftables.PtrTo(n - 1)})
@@ -859,8 +943,12 @@ func (b *Backend) canary(ctx context.Context) error {
 		if sd.dynamic {
 			continue
 		}
-		tx.Delete(sd.canary.deleteObject(sd.isMap))
-		tx.Add(sd.canary.object(sd.isMap))
+		c := sd.canary
+		if sd.name == setSyncState {
+			c = l.stateCanary(b.state.digest)
+		}
+		tx.Delete(c.deleteObject(sd.isMap))
+		tx.Add(c.object(sd.isMap))
 	}
 	return b.nft.Check(ctx, tx)
 }
@@ -871,7 +959,7 @@ func (b *Backend) Cleanup(ctx context.Context) error {
 	tx := b.nft.NewTransaction()
 	tx.Add(&knftables.Table{})
 	tx.Delete(&knftables.Table{})
-	b.state = nil
+	b.state, b.layout = nil, nil
 	b.needRebuild = false
 	if err := b.nft.Run(ctx, tx); err != nil {
 		return fmt.Errorf("deleting the %s %s table: %w", b.fam.ip, TableName, err)

@@ -50,6 +50,9 @@ const (
 	setHairpin             = "hairpin-endpoints"
 	setHealthCheck         = "health-check-nodeports"
 	setNodePortIPs         = "nodeport-ips"
+	// setSyncState holds only its canary, whose comment says which layout
+	// the table has and the digest of its elements (stateCanary).
+	setSyncState = "sync-state"
 	// Per protocol: "endpoints-tcp", "nodeport-endpoints-tcp", "affinity-tcp".
 	mapEndpointsPrefix         = "endpoints-"
 	mapNodePortEndpointsPrefix = "nodeport-endpoints-"
@@ -66,10 +69,11 @@ const (
 
 	// canaryComment marks the canary element of every map and set.
 	canaryComment = "kproxy canary"
-	// chainHashPrefix starts the comment of a chain's first rule: the hash
-	// of the chain's rules, by which a full sync recognises chains that
-	// need no rewrite.
-	chainHashPrefix = "kproxy "
+
+	// layoutVersion changes whenever the rules written for the same
+	// layout change, so that a new kproxy rewrites the chains an older
+	// one left.
+	layoutVersion = "1"
 )
 
 // protocols are the transport protocols of service ports, lower case as nft
@@ -102,6 +106,52 @@ type layout struct {
 	// nodePortIPs: node ports are accepted on the addresses of setNodePortIPs
 	// rather than on every local address.
 	nodePortIPs bool
+	hashCache   string
+}
+
+// hash identifies everything the chains' rules depend on besides their
+// names: the static chains, the map and set types, how shape and pick
+// chains are written, the options. Two tables of the same layout hash have
+// the same rules in chains of the same name; the sync-state canary carries
+// it, so that a full sync can trust the chains it finds without listing
+// their rules (nft reads every set element to list a chain).
+func (l *layout) hash() string {
+	if l.hashCache != "" {
+		return l.hashCache
+	}
+	h := sha256.New()
+	fmt.Fprintf(h, "version %s\n", layoutVersion)
+	chains := l.staticChains()
+	for _, nodePort := range []bool{false, true} {
+		for _, sel := range []proxy.EndpointSelection{proxy.SelectCluster, proxy.SelectLocal} {
+			for _, aff := range []int{0, 30} {
+				chains = append(chains, l.pickChain(pickKey{nodePort: nodePort, proto: "tcp", sel: sel, count: 2, affinity: aff}))
+			}
+		}
+		c := classAction{deliver: true, sel: proxy.SelectCluster, count: 2}
+		s := shapeKey{nodePort: nodePort, proto: "udp", classes: [3]classAction{c, c, {}}}
+		s.classes[proxy.SourceNode].masq = true
+		if l.clusterCIDR.IsValid() {
+			s.classes[proxy.SourcePod].sel, s.classes[proxy.SourcePod].count = proxy.SelectLocal, 3
+		}
+		if sc, err := l.shapeChain(s); err == nil {
+			chains = append(chains, sc)
+		}
+	}
+	for _, c := range chains {
+		fmt.Fprintf(h, "chain %s\n", c.name)
+		if c.hook != nil {
+			fmt.Fprintf(h, "%s %s %s\n", *c.chainType, *c.hook, *c.priority)
+		}
+		for _, r := range c.rules {
+			fmt.Fprintf(h, "%s\n", r)
+		}
+	}
+	for _, sd := range l.sets() {
+		fmt.Fprintf(h, "set %s %s %s %v %v\n", sd.name, sd.typ, sd.typeOf, sd.flags, sd.isMap)
+	}
+	l.hashCache = hex.EncodeToString(h.Sum(nil)[:8])
+	return l.hashCache
 }
 
 // chainDef is one chain with its rules (rule text without comments).
@@ -115,19 +165,6 @@ type chainDef struct {
 	// the rule counts (the metric is by table, as in iptables mode).
 	table string
 	rules []string
-}
-
-// hash is the comment carried by the chain's first rule: its content.
-func (c *chainDef) hash() string {
-	h := sha256.New()
-	fmt.Fprintf(h, "%s\n", c.name)
-	if c.hook != nil {
-		fmt.Fprintf(h, "%s %s %s\n", *c.chainType, *c.hook, *c.priority)
-	}
-	for _, r := range c.rules {
-		fmt.Fprintf(h, "%s\n", r)
-	}
-	return chainHashPrefix + hex.EncodeToString(h.Sum(nil)[:8])
 }
 
 func (c *chainDef) chain() *knftables.Chain {
@@ -233,6 +270,7 @@ func (l *layout) sets() []*setDef {
 		{name: setHairpin, typ: at + " . " + at, canary: setCanary(setHairpin, zero, zero)},
 		{name: setHealthCheck, typ: "inet_service", canary: setCanary(setHealthCheck, "0")},
 		{name: setNodePortIPs, typ: at, canary: setCanary(setNodePortIPs, zero)},
+		{name: setSyncState, typ: "inet_service", canary: setCanary(setSyncState, "0")},
 	}
 	for _, p := range protocols {
 		epValue := ip + " daddr . " + p + " dport"
@@ -250,6 +288,25 @@ func (l *layout) sets() []*setDef {
 		)
 	}
 	return out
+}
+
+// stateCanary is the canary of sync-state: the layout hash and the digest
+// of every element the table holds (tableState.digest).
+func (l *layout) stateCanary(digest uint64) elem {
+	return elem{set: setSyncState, key: []string{"0"}, comment: fmt.Sprintf("%s layout=%s digest=%016x", canaryComment, l.hash(), digest)}
+}
+
+// parseStateCanary reads stateCanary's comment.
+func parseStateCanary(c string) (layout, digest string) {
+	for _, f := range strings.Fields(c) {
+		if v, ok := strings.CutPrefix(f, "layout="); ok {
+			layout = v
+		}
+		if v, ok := strings.CutPrefix(f, "digest="); ok {
+			digest = v
+		}
+	}
+	return layout, digest
 }
 
 // elem is one element of a map or set.

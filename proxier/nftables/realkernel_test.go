@@ -39,6 +39,8 @@ func requireNFT(t *testing.T) *netnstest.NS {
 type nsNFT struct {
 	ns   *netnstest.NS
 	real knftables.Interface
+	// log, when set, logs the duration of every call.
+	log func(format string, args ...any)
 }
 
 func newNSNFT(ns *netnstest.NS, family v1.IPFamily) (*nsNFT, error) {
@@ -54,16 +56,28 @@ func newNSNFT(ns *netnstest.NS, family v1.IPFamily) (*nsNFT, error) {
 func (n *nsNFT) NewTransaction() *knftables.Transaction { return n.real.NewTransaction() }
 
 func (n *nsNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
+	defer n.timed(fmt.Sprintf("Run (%d operations)", tx.NumOperations()))()
 	return n.ns.Do(func() error { return n.real.Run(ctx, tx) })
 }
 
 func (n *nsNFT) Check(ctx context.Context, tx *knftables.Transaction) error {
+	defer n.timed("Check")()
 	return n.ns.Do(func() error { return n.real.Check(ctx, tx) })
 }
 
 func (n *nsNFT) ListAll(ctx context.Context) (out map[string][]string, err error) {
+	defer n.timed("ListAll")()
 	err = n.ns.Do(func() error { out, err = n.real.ListAll(ctx); return err })
 	return out, err
+}
+
+// timed logs a call's duration when the test asked for it.
+func (n *nsNFT) timed(what string) func() {
+	if n.log == nil {
+		return func() {}
+	}
+	start := time.Now()
+	return func() { n.log("%s: %v", what, time.Since(start).Round(time.Millisecond)) }
 }
 
 func (n *nsNFT) List(ctx context.Context, objectType string) (out []string, err error) {
@@ -72,11 +86,13 @@ func (n *nsNFT) List(ctx context.Context, objectType string) (out []string, err 
 }
 
 func (n *nsNFT) ListRules(ctx context.Context, chain string) (out []*knftables.Rule, err error) {
+	defer n.timed("ListRules")()
 	err = n.ns.Do(func() error { out, err = n.real.ListRules(ctx, chain); return err })
 	return out, err
 }
 
 func (n *nsNFT) ListElements(ctx context.Context, objectType, name string) (out []*knftables.Element, err error) {
+	defer n.timed("ListElements " + name)()
 	err = n.ns.Do(func() error { out, err = n.real.ListElements(ctx, objectType, name); return err })
 	return out, err
 }
@@ -232,6 +248,7 @@ func TestRealKernelScale(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	real.log = t.Logf
 	start := func() (*Backend, *proxier.Engine) {
 		b, err := New(Options{NFTables: real, Family: v1.IPv4Protocol, LocalAddresses: func() ([]netip.Addr, error) { return env.NodeIPs, nil }})
 		if err != nil {
@@ -267,6 +284,20 @@ func TestRealKernelScale(t *testing.T) {
 	e2.OnServiceAdd(pt.Service("extra", "10.97.0.1"))
 	e2.OnEndpointSliceAdd(pt.Slice("extra", 8080, pt.EP{IP: "10.251.0.1", Node: "node-b"}))
 	timed("one service added", b2, e2)
+	for _, args := range [][]string{
+		{"-f", "/dev/null"},
+		{"--json", "--terse", "list", "table", "ip", TableName},
+		{"--json", "list", "chain", "ip", TableName, "services"},
+		{"--json", "list", "chains", "ip"},
+		{"--json", "list", "map", "ip", TableName, "service-ips"},
+		{"--json", "list", "set", "ip", TableName, "hairpin-endpoints"},
+		{"--check", "-f", "/tmp/kproxy-nft-probe"},
+	} {
+		os.WriteFile("/tmp/kproxy-nft-probe", []byte("add rule ip kproxy services index 1 counter\n"), 0o600)
+		begin := time.Now()
+		out, err := ns.Exec(ctx, "nft", args...)
+		t.Logf("nft %v: %v (%d bytes, err %v)", args, time.Since(begin).Round(time.Millisecond), len(out), err)
+	}
 	if err := b2.Cleanup(ctx); err != nil && !errors.Is(err, context.Canceled) {
 		t.Fatal(err)
 	}

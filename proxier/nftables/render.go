@@ -1,9 +1,8 @@
 package nftables
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
+	"hash/fnv"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -108,6 +107,8 @@ type destRender struct {
 	big    []elem
 	hash   string
 	counts [2]int // cluster and local slots in big
+	// digest hashes every element of the destination (tableState.digest).
+	digest uint64
 	// chains are the shape and pick chains the dispatch element leads to.
 	chains []*chainDef
 }
@@ -232,6 +233,9 @@ func (l *layout) render(st *proxy.ServiceState) (*renderedService, error) {
 			rs.hairpin = append(rs.hairpin, ep.IP)
 		}
 	}
+	for _, dr := range rs.dests {
+		dr.computeDigest()
+	}
 	return rs, nil
 }
 
@@ -270,8 +274,8 @@ func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, 
 				dr.chains = append(dr.chains, l.pickChain(p))
 			}
 		}
-		h := sha256.New()
-		fmt.Fprintf(h, "%s\n", shape.name())
+		h := fnv.New64a()
+		h.Write([]byte(shape.name() + "\n"))
 		for i, sel := range []proxy.EndpointSelection{proxy.SelectCluster, proxy.SelectLocal} {
 			if !sels[sel] {
 				continue
@@ -284,11 +288,11 @@ func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, 
 			dr.counts[i] = len(eps)
 			for slot, ep := range eps {
 				e := elem{set: key.endpointsMap(), key: key.endpointKey(base + slot), value: []string{hostString(ep.IP), strconv.Itoa(ep.Port)}}
-				fmt.Fprintf(h, "%s : %s\n", strings.Join(e.key, " . "), strings.Join(e.value, " . "))
+				h.Write([]byte(e.id() + e.val() + "\n"))
 				dr.big = append(dr.big, e)
 			}
 		}
-		dr.hash = hex.EncodeToString(h.Sum(nil)[:8])
+		dr.hash = fmt.Sprintf("%016x", h.Sum64())
 		dr.small = append(dr.small, elem{set: key.dispatchMap(), key: key.dispatchKey(),
 			value: []string{"goto " + shape.name()}, comment: dispatchComment(dr.hash, dr.counts, st.Name)})
 	}
@@ -296,6 +300,24 @@ func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, 
 		dr.small = append(dr.small, elem{set: key.noEndpointMap(), key: key.dispatchKey(), value: []string{v}, comment: shortComment(st.Name)})
 	}
 	return dr, nil
+}
+
+// elemDigest is an element's share of a table digest.
+func elemDigest(e *elem) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(e.id() + e.val()))
+	return h.Sum64()
+}
+
+// computeDigest sets dr.digest from all its elements (called once the
+// render is complete).
+func (dr *destRender) computeDigest() {
+	dr.digest = 0
+	for _, group := range [][]elem{dr.small, dr.big} {
+		for i := range group {
+			dr.digest ^= elemDigest(&group[i])
+		}
+	}
 }
 
 // firewallElems are a load-balancer IP's source ranges: the destination in

@@ -5,6 +5,8 @@ import (
 	"slices"
 	"strconv"
 
+	"k8s.io/apimachinery/pkg/types"
+
 	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
@@ -14,6 +16,8 @@ import (
 // the elements and chains that several destinations share.
 type tableState struct {
 	services map[proxy.ServicePortName]*renderedService
+	// byName lists the service ports of each service.
+	byName map[types.NamespacedName][]proxy.ServicePortName
 	// claims lists, per destination, the service ports that have it, in
 	// name order; the first one owns it (two Services may claim one
 	// external IP and port: the first by name wins, whatever the order
@@ -31,11 +35,17 @@ type tableState struct {
 	chains    map[string]*chainDef
 	// nodePortIPs are the elements of setNodePortIPs.
 	nodePortIPs map[netip.Addr]bool
+	// digest is the XOR of elemDigest over every element but the
+	// canaries (and the dynamic sets' entries): a restart whose desired
+	// table has the digest the table's sync-state canary records has
+	// nothing to write.
+	digest uint64
 }
 
 func newTableState() *tableState {
 	return &tableState{
 		services:    map[proxy.ServicePortName]*renderedService{},
+		byName:      map[types.NamespacedName][]proxy.ServicePortName{},
 		claims:      map[destKey][]proxy.ServicePortName{},
 		owners:      map[destKey]*destRender{},
 		hairpin:     map[netip.Addr]int{},
@@ -98,12 +108,18 @@ func (s *tableState) update(next map[proxy.ServicePortName]*renderedService) *ch
 				}
 			}
 			delete(s.services, name)
+			nn := name.NamespacedName
+			s.byName[nn] = slices.DeleteFunc(s.byName[nn], func(n proxy.ServicePortName) bool { return n == name })
+			if len(s.byName[nn]) == 0 {
+				delete(s.byName, nn)
+			}
 		}
 		rs := next[name]
 		if rs == nil {
 			continue
 		}
 		s.services[name] = rs
+		s.byName[name.NamespacedName] = append(s.byName[name.NamespacedName], name)
 		for _, dr := range rs.dests {
 			touch(dr.key)
 			c := s.claims[dr.key]
@@ -132,6 +148,12 @@ func (s *tableState) update(next map[proxy.ServicePortName]*renderedService) *ch
 		if now == old {
 			continue
 		}
+		if old != nil {
+			s.digest ^= old.digest
+		}
+		if now != nil {
+			s.digest ^= now.digest
+		}
 		if now == nil {
 			delete(s.owners, k)
 		} else {
@@ -152,6 +174,18 @@ func (s *tableState) update(next map[proxy.ServicePortName]*renderedService) *ch
 					cs.chainsAdded = append(cs.chainsAdded, c.name)
 				}
 			}
+		}
+	}
+	for a, n := range cs.oldHairpin {
+		if (n > 0) != (s.hairpin[a] > 0) {
+			e := hairpinElem(a)
+			s.digest ^= elemDigest(&e)
+		}
+	}
+	for p, n := range cs.oldHealth {
+		if (n > 0) != (s.health[p] > 0) {
+			e := healthElem(p)
+			s.digest ^= elemDigest(&e)
 		}
 	}
 	// A chain both dropped and re-added by this update stays.
@@ -180,6 +214,23 @@ func (s *tableState) update(next map[proxy.ServicePortName]*renderedService) *ch
 	return cs
 }
 
+// setNodePortIPs replaces the node port addresses.
+func (s *tableState) setNodePortIPs(ips map[netip.Addr]bool) {
+	for a := range s.nodePortIPs {
+		if !ips[a] {
+			e := nodePortIPElem(a)
+			s.digest ^= elemDigest(&e)
+		}
+	}
+	for a := range ips {
+		if !s.nodePortIPs[a] {
+			e := nodePortIPElem(a)
+			s.digest ^= elemDigest(&e)
+		}
+	}
+	s.nodePortIPs = ips
+}
+
 func hairpinElem(a netip.Addr) elem {
 	return elem{set: setHairpin, key: []string{hostString(a), hostString(a)}}
 }
@@ -197,7 +248,10 @@ func nodePortIPElem(a netip.Addr) elem {
 func (s *tableState) smallElems(l *layout) []elem {
 	var out []elem
 	for _, sd := range l.sets() {
-		if !sd.dynamic && !sd.big {
+		switch {
+		case sd.name == setSyncState:
+			out = append(out, l.stateCanary(s.digest))
+		case !sd.dynamic && !sd.big:
 			out = append(out, sd.canary)
 		}
 	}
