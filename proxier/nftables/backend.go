@@ -71,22 +71,26 @@
 // transaction), creating shape and pick chains when first used and
 // deleting them when unused. It never reads the table.
 //
-// A full sync reconciles without flushing: it lists the table's chains
-// and rules (their first rule's comment is a hash of the chain) and every
-// map and set except the endpoints maps, which are large. Each dispatch
-// element's comment carries a hash of its destination's endpoint slots and
-// their counts, so the endpoint slots of a destination whose hash is
-// unchanged are kept, and those of one whose hash changed are rewritten
-// (their old keys follow from the counts). A restart with nothing changed
-// writes nothing.
+// A full sync reconciles without flushing, and never lists rules: nft
+// reads every element of the table to list a chain (seconds at 10,000
+// services). The canary of the small set sync-state records the layout
+// hash (everything the chains' rules depend on besides their names) and a
+// digest of every element the table holds. Same layout: chains found by
+// name (listed over netlink) hold what their names say. Same digest too:
+// nothing to write. Otherwise the sync lists every map and set except the
+// endpoints maps, which are large: each dispatch element's comment carries
+// a hash of its destination's endpoint slots and their counts, so the slots
+// of a destination whose hash is unchanged are kept and those of one whose
+// hash changed are rewritten (their old keys follow from the counts).
 //
 // Every map and set has a canary element. A partial sync checks, at most
 // once per CanaryInterval, with one "nft --check" transaction, that every
 // chain still has its rules and every canary is there; a full sync checks
-// the canaries before trusting the hashes. A missing one (a flushed chain,
-// map or table), a failed partial transaction or a failed full sync makes
-// the next sync a rebuild: every chain, map and set flushed and rewritten in
-// one transaction (atomically: traffic never sees an empty table).
+// the same before trusting hashes and digest. A missing one (a flushed
+// chain, map or table), a failed partial transaction or a failed full sync
+// makes the next sync a rebuild: every chain, map and set flushed and
+// rewritten in one transaction (atomically: traffic never sees an empty
+// table). Single elements deleted by someone else are not detected.
 package nftables
 
 import (
@@ -736,7 +740,10 @@ func (b *Backend) readKernel(ctx context.Context, l *layout, chains []*chainDef,
 func (b *Backend) readNames(ctx context.Context) (*kernelState, error) {
 	k := newKernelState()
 	names, err := b.nft.ListAll(ctx)
-	if knftables.IsNotFound(err) || errors.Is(err, syscall.ENOENT) {
+	// The netlink lister of knftables reports a missing table with the
+	// errno's text only.
+	if knftables.IsNotFound(err) || errors.Is(err, syscall.ENOENT) ||
+		(err != nil && strings.Contains(err.Error(), syscall.ENOENT.Error())) {
 		return k, nil
 	}
 	if err != nil {

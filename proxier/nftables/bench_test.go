@@ -111,7 +111,9 @@ func (m *memNFT) ListAll(context.Context) (map[string][]string, error) {
 
 var errNotFound = fmt.Errorf("no such file or directory")
 
-func (m *memNFT) List(context.Context, string) ([]string, error) { return nil, fmt.Errorf("not supported") }
+func (m *memNFT) List(context.Context, string) ([]string, error) {
+	return nil, fmt.Errorf("not supported")
+}
 func (m *memNFT) ListRules(context.Context, string) ([]*knftables.Rule, error) {
 	return nil, fmt.Errorf("not supported")
 }

@@ -145,6 +145,7 @@ func TestRealKernelCases(t *testing.T) {
 		t.Run(c.Name, func(t *testing.T) {
 			var env pt.Env
 			var tee *teeNFT
+			var first *Backend
 			pt.RunCase(t, c, func(t *testing.T, e pt.Env) (proxier.Backend, pt.Tracer) {
 				env = e
 				real, err := newNSNFT(ns, e.Family)
@@ -160,10 +161,14 @@ func TestRealKernelCases(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
+				first = b
 				return b, &fakeTracer{fake: tee.fake.Fake, local: e.NodeIPs}
 			})
 			if t.Failed() {
 				return
+			}
+			if st := first.LastSync(); st.Mode != modeReconcile {
+				t.Errorf("the first sync into an empty namespace was %s, want %s", st.Mode, modeReconcile)
 			}
 
 			// A new process over the table.
@@ -284,20 +289,15 @@ func TestRealKernelScale(t *testing.T) {
 	e2.OnServiceAdd(pt.Service("extra", "10.97.0.1"))
 	e2.OnEndpointSliceAdd(pt.Slice("extra", 8080, pt.EP{IP: "10.251.0.1", Node: "node-b"}))
 	timed("one service added", b2, e2)
-	for _, args := range [][]string{
-		{"-f", "/dev/null"},
-		{"--json", "--terse", "list", "table", "ip", TableName},
-		{"--json", "list", "chain", "ip", TableName, "services"},
-		{"--json", "list", "chains", "ip"},
-		{"--json", "list", "map", "ip", TableName, "service-ips"},
-		{"--json", "list", "set", "ip", TableName, "hairpin-endpoints"},
-		{"--check", "-f", "/tmp/kproxy-nft-probe"},
-	} {
-		os.WriteFile("/tmp/kproxy-nft-probe", []byte("add rule ip kproxy services index 1 counter\n"), 0o600)
-		begin := time.Now()
-		out, err := ns.Exec(ctx, "nft", args...)
-		t.Logf("nft %v: %v (%d bytes, err %v)", args, time.Since(begin).Round(time.Millisecond), len(out), err)
-	}
+	// Down for a while: one service's endpoint changes meanwhile.
+	sl = slices[n/3].DeepCopy()
+	sl.Endpoints[0].Addresses = []string{"10.250.0.2"}
+	slices[n/3] = sl
+	b3, e3 := start()
+	e3.OnServiceAdd(pt.Service("extra", "10.97.0.1"))
+	e3.OnEndpointSliceAdd(pt.Slice("extra", 8080, pt.EP{IP: "10.251.0.1", Node: "node-b"}))
+	timed("restart after a change", b3, e3)
+	b2 = b3
 	if err := b2.Cleanup(ctx); err != nil && !errors.Is(err, context.Canceled) {
 		t.Fatal(err)
 	}
