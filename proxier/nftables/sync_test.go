@@ -4,15 +4,19 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/sets"
 	testingclock "k8s.io/utils/clock/testing"
 	"sigs.k8s.io/knftables"
 
+	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
 	"github.com/kproxy/kproxy/proxier/nftables/nftablestest"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
@@ -541,5 +545,77 @@ func TestBackendResult(t *testing.T) {
 	}
 	if w := h.last.Backend.RulesWritten; w["nat"] != 0 || w["filter"] != 0 {
 		t.Errorf("adding services of a known shape wrote rules: %v", w)
+	}
+}
+
+// nodeState builds a state of one-endpoint TCP services by name and
+// ClusterIP.
+func nodeState(opts proxy.DecisionOptions, changed []string, svcs map[string]string) *proxy.NodeState {
+	ns := &proxy.NodeState{Family: v1.IPv4Protocol, NodeName: "node-a", Options: opts,
+		Services: map[proxy.ServicePortName]*proxy.ServiceState{}, Changed: sets.New[types.NamespacedName]()}
+	for _, c := range changed {
+		ns.Changed.Insert(types.NamespacedName{Namespace: "ns", Name: c})
+	}
+	names := make([]string, 0, len(svcs))
+	for name := range svcs {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	for i, name := range names {
+		ip := svcs[name]
+		i++
+		sp := &proxy.ServicePort{Name: proxy.ServicePortName{NamespacedName: types.NamespacedName{Namespace: "ns", Name: name}, Port: "p", Protocol: v1.ProtocolTCP},
+			ClusterIP: netip.MustParseAddr(ip), Port: 80, Protocol: v1.ProtocolTCP}
+		eps := []*proxy.Endpoint{{IP: netip.MustParseAddr(fmt.Sprintf("10.244.2.%d", i)), Port: 8080, Ready: true, Serving: true, NodeName: "node-b"}}
+		ns.Services[sp.Name] = proxy.NewServiceState(sp, eps, proxy.TopologyInfo{NodeName: "node-a"}, opts)
+	}
+	return ns
+}
+
+func TestFullSyncTriggers(t *testing.T) {
+	opts := proxy.DecisionOptions{ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"), NodeIP: netip.MustParseAddr("10.0.0.1")}
+	other := opts
+	other.ClusterCIDR = netip.MustParsePrefix("10.200.0.0/16")
+	for _, tc := range []struct {
+		name     string
+		next     *proxy.NodeState
+		wantMode string
+		flows    []pt.Flow
+	}{
+		{
+			name:     "nothing changed",
+			next:     nodeState(opts, nil, map[string]string{"a": "10.96.0.1"}),
+			wantMode: modePartial,
+		},
+		{
+			name:     "a service port that is neither known nor changed",
+			next:     nodeState(opts, nil, map[string]string{"a": "10.96.0.1", "b": "10.96.0.2"}),
+			wantMode: modeReconcile,
+			flows:    []pt.Flow{{Name: "b", Source: "10.244.1.9", Dest: "10.96.0.2", Port: 80, Want: pt.Delivered, WantEndpoints: []string{"10.244.2.2:8080"}}},
+		},
+		{
+			name:     "decision options changed",
+			next:     nodeState(other, nil, map[string]string{"a": "10.96.0.1"}),
+			wantMode: modeReconcile,
+			flows: []pt.Flow{
+				{Name: "new pod range", Source: "10.200.1.9", Dest: "10.96.0.1", Port: 80, Want: pt.Delivered, WantEndpoints: []string{"10.244.2.1:8080"}},
+				{Name: "old pod range", Source: "10.244.1.9", Dest: "10.96.0.1", Port: 80, Want: pt.Delivered, WantEndpoints: []string{"10.244.2.1:8080"}, WantMasquerade: true},
+			},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, nil, Options{})
+			ctx := context.Background()
+			if _, err := h.backend.Sync(ctx, nodeState(opts, nil, map[string]string{"a": "10.96.0.1"}), true); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := h.backend.Sync(ctx, tc.next, false); err != nil {
+				t.Fatal(err)
+			}
+			if st := h.backend.LastSync(); st.Mode != tc.wantMode {
+				t.Errorf("sync mode %s, want %s", st.Mode, tc.wantMode)
+			}
+			h.flows(tc.flows...)
+		})
 	}
 }
