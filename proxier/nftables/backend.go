@@ -321,10 +321,16 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 	}, nil
 }
 
-// layoutFor is the layout of state's options.
+// layoutFor is the layout of state's options: the last one when they did
+// not change, so that its chains rendered so far are reused (the owner of a
+// destination may change to a service port rendered syncs ago).
 func (b *Backend) layoutFor(state *proxy.NodeState) *layout {
-	return &layout{fam: b.fam, masqMark: b.masqMark, clusterCIDR: state.Options.ClusterCIDR,
+	l := &layout{fam: b.fam, masqMark: b.masqMark, clusterCIDR: state.Options.ClusterCIDR,
 		nodePortIPs: !b.opts.NodePortAddresses.MatchAll()}
+	if p := b.layout; p != nil && p.fam == l.fam && p.masqMark == l.masqMark && p.clusterCIDR == l.clusterCIDR && p.nodePortIPs == l.nodePortIPs {
+		return p
+	}
+	return l
 }
 
 // nodePortIPs are the local addresses that accept node ports, when
@@ -537,7 +543,7 @@ func (b *Backend) planPartial(l *layout, state *proxy.NodeState, npIPs map[netip
 		return nil, errUnknownServices
 	}
 	oldDigest := s.digest
-	cs := s.update(next)
+	cs := s.update(next, l)
 	p := &plan{l: l}
 	for _, c := range cs.chainsAdded {
 		p.createChains = append(p.createChains, s.chains[c])
@@ -550,10 +556,10 @@ func (b *Backend) planPartial(l *layout, state *proxy.NodeState, npIPs map[netip
 	for _, k := range dests {
 		var old, now []elem
 		if o := cs.oldOwners[k]; o != nil {
-			old = append(append(old, o.small...), o.big...)
+			old = append(append(old, o.small...), o.bigElems()...)
 		}
 		if n := s.owners[k]; n != nil {
-			now = append(append(now, n.small...), n.big...)
+			now = append(append(now, n.small...), n.bigElems()...)
 		}
 		diffElems(old, now, &p.deletes, &p.adds)
 	}
@@ -796,7 +802,7 @@ func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeStat
 		}
 		all[name] = rs
 	}
-	next.update(all)
+	next.update(all, l)
 	next.setNodePortIPs(npIPs)
 
 	start := b.clock.Now()
@@ -892,7 +898,7 @@ func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeStat
 		dr := next.owners[dk]
 		if !rebuild {
 			if ki, ok := k.dests[dk]; ok {
-				if ki.hash == dr.hash && ki.counts == dr.counts && len(dr.big) > 0 {
+				if ki.hash == dr.hash && ki.counts == dr.counts() {
 					continue
 				}
 				for _, key := range dk.endpointKeys(ki.counts) {
@@ -900,7 +906,7 @@ func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeStat
 				}
 			}
 		}
-		p.adds = append(p.adds, dr.big...)
+		p.adds = append(p.adds, dr.bigElems()...)
 	}
 	if !rebuild {
 		for _, dk := range sortedDestKeys(k.dests) {

@@ -107,6 +107,8 @@ type layout struct {
 	// rather than on every local address.
 	nodePortIPs bool
 	hashCache   string
+	// chains are the shape and pick chains rendered so far.
+	chains map[string]*chainDef
 }
 
 // hash identifies everything the chains' rules depend on besides their

@@ -102,15 +102,36 @@ type destRender struct {
 	// element (service-ips, service-nodeports), the no-endpoint verdict and
 	// the source ranges.
 	small []elem
-	// big are the endpoint slots (endpoints maps), which a full sync never
-	// lists: the dispatch element's comment carries their hash and counts.
-	big    []elem
-	hash   string
-	counts [2]int // cluster and local slots in big
-	// digest hashes every element of the destination (tableState.digest).
-	digest uint64
+	// eps are the endpoints of the cluster and local slots: the elements
+	// of the endpoints maps (bigElems), which a full sync never lists (the
+	// dispatch element's comment carries their hash and counts). They are
+	// kept this small because every service's render stays in memory.
+	eps  [2][]netip.AddrPort
+	hash string
+	// digest hashes every element of the destination (tableState.digest);
+	// bigDigest the endpoint slots alone.
+	digest, bigDigest uint64
 	// chains are the shape and pick chains the dispatch element leads to.
-	chains []*chainDef
+	chains []string
+}
+
+// counts are the numbers of cluster and local slots.
+func (dr *destRender) counts() [2]int { return [2]int{len(dr.eps[0]), len(dr.eps[1])} }
+
+// bigElems are the destination's endpoint slots.
+func (dr *destRender) bigElems() []elem {
+	out := make([]elem, 0, len(dr.eps[0])+len(dr.eps[1]))
+	for i, eps := range dr.eps {
+		base := 0
+		if i == 1 {
+			base = localSlotBase
+		}
+		for slot, ep := range eps {
+			out = append(out, elem{set: dr.key.endpointsMap(), key: dr.key.endpointKey(base + slot),
+				value: []string{hostString(ep.Addr()), strconv.Itoa(int(ep.Port()))}})
+		}
+	}
+	return out
 }
 
 // renderedService is what one service port puts in the table.
@@ -256,12 +277,11 @@ func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, 
 		shape.classes[c] = classAction{deliver: true, sel: dec.Endpoints, count: n, masq: dec.Masquerade}
 	}
 	if shape.delivers() {
-		sc, err := l.shapeChain(shape)
+		sc, err := l.chain(shape.name(), func() (*chainDef, error) { return l.shapeChain(shape) })
 		if err != nil {
 			return nil, err
 		}
 		dr.chains = append(dr.chains, sc)
-		picks := map[string]bool{}
 		var sels [3]bool
 		for _, a := range shape.classes {
 			if !a.deliver {
@@ -269,32 +289,30 @@ func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, 
 			}
 			sels[a.sel] = true
 			p := shape.pick(a)
-			if !picks[p.name()] {
-				picks[p.name()] = true
-				dr.chains = append(dr.chains, l.pickChain(p))
+			if pc, _ := l.chain(p.name(), func() (*chainDef, error) { return l.pickChain(p), nil }); !slices.Contains(dr.chains, pc) {
+				dr.chains = append(dr.chains, pc)
 			}
 		}
-		h := fnv.New64a()
-		h.Write([]byte(shape.name() + "\n"))
 		for i, sel := range []proxy.EndpointSelection{proxy.SelectCluster, proxy.SelectLocal} {
 			if !sels[sel] {
 				continue
 			}
-			base := 0
-			if sel == proxy.SelectLocal {
-				base = localSlotBase
-			}
 			eps := st.Endpoints(sel)
-			dr.counts[i] = len(eps)
-			for slot, ep := range eps {
-				e := elem{set: key.endpointsMap(), key: key.endpointKey(base + slot), value: []string{hostString(ep.IP), strconv.Itoa(ep.Port)}}
-				h.Write([]byte(e.id() + e.val() + "\n"))
-				dr.big = append(dr.big, e)
+			dr.eps[i] = make([]netip.AddrPort, len(eps))
+			for j, ep := range eps {
+				dr.eps[i][j] = netip.AddrPortFrom(ep.IP, uint16(ep.Port))
 			}
+		}
+		h := fnv.New64a()
+		h.Write([]byte(shape.name() + "\n"))
+		big := dr.bigElems()
+		for i := range big {
+			h.Write([]byte(big[i].id() + big[i].val() + "\n"))
+			dr.bigDigest ^= elemDigest(&big[i])
 		}
 		dr.hash = fmt.Sprintf("%016x", h.Sum64())
 		dr.small = append(dr.small, elem{set: key.dispatchMap(), key: key.dispatchKey(),
-			value: []string{"goto " + shape.name()}, comment: dispatchComment(dr.hash, dr.counts, st.Name)})
+			value: []string{"goto " + shape.name()}, comment: dispatchComment(dr.hash, dr.counts(), st.Name)})
 	}
 	if v := filterVerdict(d, kind); v != "" {
 		dr.small = append(dr.small, elem{set: key.noEndpointMap(), key: key.dispatchKey(), value: []string{v}, comment: shortComment(st.Name)})
@@ -312,12 +330,27 @@ func elemDigest(e *elem) uint64 {
 // computeDigest sets dr.digest from all its elements (called once the
 // render is complete).
 func (dr *destRender) computeDigest() {
-	dr.digest = 0
-	for _, group := range [][]elem{dr.small, dr.big} {
-		for i := range group {
-			dr.digest ^= elemDigest(&group[i])
-		}
+	dr.digest = dr.bigDigest
+	for i := range dr.small {
+		dr.digest ^= elemDigest(&dr.small[i])
 	}
+}
+
+// chain returns the chain of that name, rendering it the first time this
+// layout is asked for it: destinations of one shape share its chains.
+func (l *layout) chain(name string, render func() (*chainDef, error)) (string, error) {
+	if _, ok := l.chains[name]; ok {
+		return name, nil
+	}
+	c, err := render()
+	if err != nil {
+		return "", err
+	}
+	if l.chains == nil {
+		l.chains = map[string]*chainDef{}
+	}
+	l.chains[name] = c
+	return name, nil
 }
 
 // firewallElems are a load-balancer IP's source ranges: the destination in

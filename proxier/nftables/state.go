@@ -68,7 +68,7 @@ type changeSet struct {
 
 // update replaces the renders of the service ports in next (nil: deleted)
 // and recomputes the owners of their destinations.
-func (s *tableState) update(next map[proxy.ServicePortName]*renderedService) *changeSet {
+func (s *tableState) update(next map[proxy.ServicePortName]*renderedService, l *layout) *changeSet {
 	cs := &changeSet{oldOwners: map[destKey]*destRender{}, oldHairpin: map[netip.Addr]int{}, oldHealth: map[int]int{}}
 	names := proxy.SortedServicePortNames(next)
 	touch := func(k destKey) {
@@ -161,17 +161,20 @@ func (s *tableState) update(next map[proxy.ServicePortName]*renderedService) *ch
 		}
 		if old != nil {
 			for _, c := range old.chains {
-				if s.chainRefs[c.name]--; s.chainRefs[c.name] <= 0 {
-					delete(s.chainRefs, c.name)
-					cs.chainsGone = append(cs.chainsGone, c.name)
+				if s.chainRefs[c]--; s.chainRefs[c] <= 0 {
+					delete(s.chainRefs, c)
+					cs.chainsGone = append(cs.chainsGone, c)
 				}
 			}
 		}
 		if now != nil {
 			for _, c := range now.chains {
-				if s.chainRefs[c.name]++; s.chainRefs[c.name] == 1 {
-					s.chains[c.name] = c
-					cs.chainsAdded = append(cs.chainsAdded, c.name)
+				if s.chainRefs[c]++; s.chainRefs[c] == 1 {
+					if l.chains[c] == nil {
+						panic("nftables backend: chain " + c + " was never rendered")
+					}
+					s.chains[c] = l.chains[c]
+					cs.chainsAdded = append(cs.chainsAdded, c)
 				}
 			}
 		}
