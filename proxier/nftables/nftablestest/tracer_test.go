@@ -62,9 +62,9 @@ func TestTrace(t *testing.T) {
 			want:  []string{"accept  false "},
 		},
 		{
-			name:  "verdict map drop",
-			pkt:   tcp("192.0.2.1", "10.96.0.9", 80, false),
-			want:  []string{"drop  false "},
+			name: "verdict map drop",
+			pkt:  tcp("192.0.2.1", "10.96.0.9", 80, false),
+			want: []string{"drop  false "},
 		},
 		{
 			name: "affinity entry found, or a slot picked and recorded",
