@@ -1,0 +1,141 @@
+package nftables
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/knftables"
+
+	"github.com/kproxy/kproxy/proxier"
+	"github.com/kproxy/kproxy/proxier/nftables/nftablestest"
+	pt "github.com/kproxy/kproxy/proxier/proxiertest"
+)
+
+// fakeTracer traces proxiertest flows through the fake's table and dumps
+// it for the property test.
+type fakeTracer struct {
+	fake  *knftables.Fake
+	local []netip.Addr
+	// sets are dynamic set contents (affinity entries).
+	sets map[string][]string
+}
+
+func (f *fakeTracer) Trace(flow pt.Flow) (pt.Result, error) {
+	proto := strings.ToLower(string(flow.Protocol))
+	if proto == "" {
+		proto = "tcp"
+	}
+	outs, err := nftablestest.Trace(f.fake, nftablestest.Packet{
+		Source: netip.MustParseAddr(flow.Source), Destination: netip.MustParseAddr(flow.Dest),
+		Protocol: proto, SourcePort: 40000, DestinationPort: flow.Port, Local: flow.Origin == pt.FromHost,
+	}, nftablestest.Options{LocalAddrs: f.local, Sets: f.sets})
+	if err != nil {
+		return pt.Result{}, err
+	}
+	return toResult(outs)
+}
+
+func toResult(outs []nftablestest.Outcome) (pt.Result, error) {
+	res := pt.Result{Endpoints: map[string]bool{}}
+	verdicts := map[pt.Verdict]bool{}
+	for _, o := range outs {
+		var v pt.Verdict
+		switch {
+		case o.Verdict == "drop":
+			v = pt.Dropped
+		case o.Verdict == "reject":
+			v = pt.Rejected
+		case o.DNAT != "":
+			v = pt.Delivered
+			if prev, seen := res.Endpoints[o.DNAT]; seen && prev != o.Masquerade {
+				return res, fmt.Errorf("endpoint %s reached both with and without masquerade", o.DNAT)
+			}
+			res.Endpoints[o.DNAT] = o.Masquerade
+		default:
+			v = pt.NotHandled
+		}
+		res.Masquerade = res.Masquerade || o.Masquerade
+		verdicts[v] = true
+	}
+	if len(verdicts) != 1 {
+		return res, fmt.Errorf("flow has mixed outcomes %+v", outs)
+	}
+	for v := range verdicts {
+		res.Verdict = v
+	}
+	return res, nil
+}
+
+// DumpState is the fake's table with element lines sorted (their order
+// carries no meaning; the order of rules does).
+func (f *fakeTracer) DumpState() (pt.StateDump, error) {
+	return pt.StateDump{State: sortedDump(f.fake)}, nil
+}
+
+func sortedDump(fake *knftables.Fake) string {
+	var head, elems []string
+	for _, l := range strings.Split(fake.Dump(), "\n") {
+		if strings.HasPrefix(l, "add element ") {
+			elems = append(elems, l)
+		} else if l != "" {
+			head = append(head, l)
+		}
+	}
+	slices.Sort(elems)
+	return strings.Join(append(head, elems...), "\n") + "\n"
+}
+
+func fakeFamily(f v1.IPFamily) knftables.Family {
+	if f == v1.IPv6Protocol {
+		return knftables.IPv6Family
+	}
+	return knftables.IPv4Family
+}
+
+func newFakeBackend(t testing.TB, env pt.Env) (*Backend, *knftables.Fake) {
+	t.Helper()
+	fake := knftables.NewFake(fakeFamily(env.Family), TableName)
+	local := append([]netip.Addr{}, env.NodeIPs...)
+	b, err := New(Options{
+		NFTables:          &strictNFT{Fake: fake},
+		Family:            env.Family,
+		NodePortAddresses: env.NodePortAddresses,
+		LocalAddresses:    func() ([]netip.Addr, error) { return local, nil },
+	})
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	return b, fake
+}
+
+func factory(t *testing.T, env pt.Env) (proxier.Backend, pt.Tracer) {
+	b, fake := newFakeBackend(t, env)
+	return b, &fakeTracer{fake: fake, local: env.NodeIPs}
+}
+
+func TestBehaviourCases(t *testing.T) {
+	pt.Run(t, factory)
+}
+
+func TestNewValidates(t *testing.T) {
+	bad := 32
+	fake := knftables.NewFake(knftables.IPv4Family, TableName)
+	for _, tc := range []struct {
+		name string
+		opts Options
+	}{
+		{"no nftables", Options{Family: v1.IPv4Protocol}},
+		{"no family", Options{NFTables: fake}},
+		{"mark bit out of range", Options{NFTables: fake, Family: v1.IPv4Protocol, MasqueradeBit: &bad}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := New(tc.opts); err == nil {
+				t.Fatal("New succeeded, want an error")
+			}
+		})
+	}
+}

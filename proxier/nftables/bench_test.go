@@ -1,0 +1,215 @@
+package nftables
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/utils/clock"
+	"sigs.k8s.io/knftables"
+
+	pt "github.com/kproxy/kproxy/proxier/proxiertest"
+)
+
+// memNFT is a knftables.Interface over hash maps, for measuring the
+// backend's own cost at scale (knftables.Fake looks elements up one by one
+// and needs minutes for 100,000 of them). It keeps object names and
+// elements, not rules, and checks nothing.
+type memNFT struct {
+	exists bool
+	chains map[string]bool
+	sets   map[string]map[string]*knftables.Element
+	isMap  map[string]bool
+}
+
+func newMemNFT() *memNFT {
+	return &memNFT{chains: map[string]bool{}, sets: map[string]map[string]*knftables.Element{}, isMap: map[string]bool{}}
+}
+
+var memLine = regexp.MustCompile(`^(add|delete|flush) (table|chain|rule|set|map|element) \S+ \S+ ?(\S*)(.*)$`)
+
+func (m *memNFT) NewTransaction() *knftables.Transaction {
+	return knftables.NewFake(knftables.IPv4Family, TableName).NewTransaction()
+}
+
+func (m *memNFT) Check(context.Context, *knftables.Transaction) error { return nil }
+
+func (m *memNFT) Run(_ context.Context, tx *knftables.Transaction) error {
+	for _, line := range strings.Split(tx.String(), "\n") {
+		if line == "" {
+			continue
+		}
+		g := memLine.FindStringSubmatch(line)
+		if g == nil {
+			return fmt.Errorf("memNFT: cannot parse %q", line)
+		}
+		verb, kind, name, rest := g[1], g[2], g[3], g[4]
+		switch kind + " " + verb {
+		case "table add":
+			m.exists = true
+		case "table delete":
+			*m = *newMemNFT()
+		case "chain add":
+			m.chains[name] = true
+		case "chain delete":
+			delete(m.chains, name)
+		case "set add", "map add":
+			if m.sets[name] == nil {
+				m.sets[name] = map[string]*knftables.Element{}
+			}
+			m.isMap[name] = kind == "map"
+		case "set flush", "map flush":
+			m.sets[name] = map[string]*knftables.Element{}
+		case "set delete", "map delete":
+			delete(m.sets, name)
+		case "element add", "element delete":
+			body := strings.TrimSuffix(strings.TrimPrefix(rest, " { "), " }")
+			e := &knftables.Element{}
+			if i := strings.Index(body, ` comment "`); i >= 0 {
+				j := strings.Index(body[i+10:], `"`)
+				c := body[i+10 : i+10+j]
+				e.Comment = &c
+				body = body[:i] + body[i+10+j+1:]
+			}
+			key, value, _ := strings.Cut(body, " : ")
+			e.Key = strings.Split(key, " . ")
+			if value != "" {
+				e.Value = strings.Split(value, " . ")
+			}
+			if verb == "add" {
+				m.sets[name][key] = e
+			} else {
+				delete(m.sets[name], key)
+			}
+		}
+	}
+	return nil
+}
+
+func (m *memNFT) ListAll(context.Context) (map[string][]string, error) {
+	if !m.exists {
+		return nil, fmt.Errorf("no such table: %w", errNotFound)
+	}
+	out := map[string][]string{}
+	for c := range m.chains {
+		out["chain"] = append(out["chain"], c)
+	}
+	for s := range m.sets {
+		if m.isMap[s] {
+			out["map"] = append(out["map"], s)
+		} else {
+			out["set"] = append(out["set"], s)
+		}
+	}
+	return out, nil
+}
+
+var errNotFound = fmt.Errorf("no such file or directory")
+
+func (m *memNFT) List(context.Context, string) ([]string, error) {
+	return nil, fmt.Errorf("not supported")
+}
+func (m *memNFT) ListRules(context.Context, string) ([]*knftables.Rule, error) {
+	return nil, fmt.Errorf("not supported")
+}
+func (m *memNFT) ListCounters(context.Context) ([]*knftables.Counter, error) { return nil, nil }
+
+func (m *memNFT) ListElements(_ context.Context, _ string, name string) ([]*knftables.Element, error) {
+	var out []*knftables.Element
+	for _, e := range m.sets[name] {
+		out = append(out, e)
+	}
+	return out, nil
+}
+
+// BenchmarkRestart measures, at KPROXY_BENCH_SERVICES services of the
+// standard workload, the backend's own time (the engine's and the nft
+// transactions' left out) of a first sync, a restart over the table and a
+// one-endpoint change.
+func BenchmarkRestart(b *testing.B) {
+	for _, n := range pt.BenchSizes() {
+		b.Run(fmt.Sprint(n), func(b *testing.B) {
+			env := pt.Env{NodeName: "node-a", NodeIPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")},
+				ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"), Family: v1.IPv4Protocol}
+			services, slices := pt.Workload(n)
+			for b.Loop() {
+				mem := newMemNFT()
+				for _, what := range []string{"first", "restart", "change"} {
+					be, err := New(Options{NFTables: mem, Family: v1.IPv4Protocol, LocalAddresses: func() ([]netip.Addr, error) { return env.NodeIPs, nil }})
+					if err != nil {
+						b.Fatal(err)
+					}
+					e := newEngine(b, env, be, clock.RealClock{})
+					for i := range services {
+						e.OnServiceAdd(services[i])
+						e.OnEndpointSliceAdd(slices[i])
+					}
+					e.OnServiceSynced()
+					e.OnEndpointSlicesSynced()
+					if err := e.SyncRules(context.Background()); err != nil {
+						b.Fatal(err)
+					}
+					if what == "change" {
+						sl := slices[n/2].DeepCopy()
+						sl.Endpoints[0].Addresses = []string{"10.250.0.1"}
+						e.OnEndpointSliceUpdate(slices[n/2], sl)
+						start := time.Now()
+						if err := e.SyncRules(context.Background()); err != nil {
+							b.Fatal(err)
+						}
+						b.ReportMetric(float64(time.Since(start)-be.LastSync().KernelTime)/1e6, "change-ms")
+						continue
+					}
+					st := be.LastSync()
+					_ = st
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkEndpointChange measures a one-endpoint change (a partial sync,
+// engine included, nft left out) at KPROXY_BENCH_SERVICES services.
+func BenchmarkEndpointChange(b *testing.B) {
+	for _, n := range pt.BenchSizes() {
+		b.Run(fmt.Sprint(n), func(b *testing.B) {
+			env := pt.Env{NodeName: "node-a", NodeIPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")},
+				ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"), Family: v1.IPv4Protocol}
+			services, slices := pt.Workload(n)
+			be, err := New(Options{NFTables: newMemNFT(), Family: v1.IPv4Protocol, LocalAddresses: func() ([]netip.Addr, error) { return env.NodeIPs, nil }})
+			if err != nil {
+				b.Fatal(err)
+			}
+			e := newEngine(b, env, be, clock.RealClock{})
+			for i := range services {
+				e.OnServiceAdd(services[i])
+				e.OnEndpointSliceAdd(slices[i])
+			}
+			e.OnServiceSynced()
+			e.OnEndpointSlicesSynced()
+			if err := e.SyncRules(context.Background()); err != nil {
+				b.Fatal(err)
+			}
+			i := 0
+			for b.Loop() {
+				old := slices[n/2]
+				sl := old.DeepCopy()
+				sl.Endpoints[0].Addresses = []string{fmt.Sprintf("10.250.%d.%d", i/250, i%250+1)}
+				i++
+				e.OnEndpointSliceUpdate(old, sl)
+				slices[n/2] = sl
+				if err := e.SyncRules(context.Background()); err != nil {
+					b.Fatal(err)
+				}
+				if m := be.LastSync().Mode; m != modePartial {
+					b.Fatalf("sync was %s", m)
+				}
+			}
+		})
+	}
+}

@@ -1,0 +1,405 @@
+package nftables
+
+import (
+	"fmt"
+	"hash/fnv"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/kproxy/kproxy/pkg/proxy"
+)
+
+// destKey is one destination of a service port: an address, protocol and
+// port (ClusterIP, external IP, load-balancer IP), or a protocol and node
+// port. It is the key of the destination's elements in every map.
+type destKey struct {
+	nodePort bool
+	addr     netip.Addr // invalid for node ports
+	proto    string
+	port     int
+}
+
+func (k destKey) String() string {
+	if k.nodePort {
+		return "nodeport " + k.proto + "/" + strconv.Itoa(k.port)
+	}
+	return netip.AddrPortFrom(k.addr, uint16(k.port)).String() + "/" + k.proto
+}
+
+func (k destKey) compare(o destKey) int {
+	switch {
+	case k.nodePort != o.nodePort:
+		if k.nodePort {
+			return 1
+		}
+		return -1
+	case k.addr != o.addr:
+		return k.addr.Compare(o.addr)
+	case k.proto != o.proto:
+		return strings.Compare(k.proto, o.proto)
+	}
+	return k.port - o.port
+}
+
+// dispatchKey is the destination's key in the dispatch and no-endpoint
+// maps.
+func (k destKey) dispatchKey() []string {
+	if k.nodePort {
+		return []string{k.proto, strconv.Itoa(k.port)}
+	}
+	return []string{hostString(k.addr), k.proto, strconv.Itoa(k.port)}
+}
+
+// endpointKey is the key of slot in the destination's endpoints map.
+func (k destKey) endpointKey(slot int) []string {
+	if k.nodePort {
+		return []string{strconv.Itoa(k.port), strconv.Itoa(slot)}
+	}
+	return []string{hostString(k.addr), strconv.Itoa(k.port), strconv.Itoa(slot)}
+}
+
+func (k destKey) endpointsMap() string {
+	if k.nodePort {
+		return nodePortEndpointsMap(k.proto)
+	}
+	return endpointsMap(k.proto)
+}
+
+func (k destKey) dispatchMap() string {
+	if k.nodePort {
+		return mapServiceNodePorts
+	}
+	return mapServiceIPs
+}
+
+func (k destKey) noEndpointMap() string {
+	if k.nodePort {
+		return mapNoEndpointNodePorts
+	}
+	return mapNoEndpointServices
+}
+
+// endpointKeys are the keys of a destination's endpoint slots: counts
+// cluster slots from 0 and local ones from localSlotBase.
+func (k destKey) endpointKeys(counts [2]int) [][]string {
+	var out [][]string
+	for i := 0; i < counts[0]; i++ {
+		out = append(out, k.endpointKey(i))
+	}
+	for i := 0; i < counts[1]; i++ {
+		out = append(out, k.endpointKey(localSlotBase+i))
+	}
+	return out
+}
+
+// destRender is everything one destination puts in the table.
+type destRender struct {
+	key   destKey
+	owner proxy.ServicePortName
+	// small are the elements of the maps a full sync lists: the dispatch
+	// element (service-ips, service-nodeports), the no-endpoint verdict and
+	// the source ranges.
+	small []elem
+	// eps are the endpoints of the cluster and local slots: the elements
+	// of the endpoints maps (bigElems), which a full sync never lists (the
+	// dispatch element's comment carries their hash and counts). They are
+	// kept this small because every service's render stays in memory.
+	eps  [2][]netip.AddrPort
+	hash string
+	// digest hashes every element of the destination (tableState.digest);
+	// bigDigest the endpoint slots alone.
+	digest, bigDigest uint64
+	// chains are the shape and pick chains the dispatch element leads to.
+	chains []string
+}
+
+// counts are the numbers of cluster and local slots.
+func (dr *destRender) counts() [2]int { return [2]int{len(dr.eps[0]), len(dr.eps[1])} }
+
+// bigElems are the destination's endpoint slots.
+func (dr *destRender) bigElems() []elem {
+	out := make([]elem, 0, len(dr.eps[0])+len(dr.eps[1]))
+	for i, eps := range dr.eps {
+		base := 0
+		if i == 1 {
+			base = localSlotBase
+		}
+		for slot, ep := range eps {
+			out = append(out, elem{set: dr.key.endpointsMap(), key: dr.key.endpointKey(base + slot),
+				value: []string{hostString(ep.Addr()), strconv.Itoa(int(ep.Port()))}})
+		}
+	}
+	return out
+}
+
+// renderedService is what one service port puts in the table.
+type renderedService struct {
+	name  proxy.ServicePortName
+	dests []*destRender // distinct keys, in render order
+	// hairpin are the endpoints that may reach themselves.
+	hairpin     []netip.Addr
+	healthCheck int
+}
+
+// dispatchComment is the comment of a destination's dispatch element: the
+// hash of its endpoint slots, the cluster and local slot counts, the
+// service port.
+func dispatchComment(hash string, counts [2]int, name proxy.ServicePortName) string {
+	c := fmt.Sprintf("%s %d %d %s", hash, counts[0], counts[1], name)
+	if len(c) > 128 {
+		c = c[:128]
+	}
+	return c
+}
+
+// parseDispatchComment reads dispatchComment's hash and counts.
+func parseDispatchComment(c string) (hash string, counts [2]int, ok bool) {
+	f := strings.Fields(c)
+	if len(f) < 3 || len(f[0]) != 16 {
+		return "", counts, false
+	}
+	var err1, err2 error
+	counts[0], err1 = strconv.Atoi(f[1])
+	counts[1], err2 = strconv.Atoi(f[2])
+	if err1 != nil || err2 != nil || counts[0] < 0 || counts[1] < 0 || counts[0] > localSlotBase || counts[1] > localSlotBase {
+		return "", counts, false
+	}
+	return f[0], counts, true
+}
+
+func shortComment(name proxy.ServicePortName) string {
+	c := name.String()
+	if len(c) > 128 {
+		c = c[:128]
+	}
+	return c
+}
+
+// filterVerdict is the verdict the filter chains give connections to a
+// destination that the nat chains did not DNAT: the non-delivering verdict
+// of its decisions (the model never gives one destination two), or "".
+func filterVerdict(d *proxy.ServiceDecisions, kind proxy.DestinationKind) string {
+	for _, c := range []proxy.SourceClass{proxy.SourceOther, proxy.SourceNode, proxy.SourcePod} {
+		switch d.For(kind, c).Verdict {
+		case proxy.VerdictDrop:
+			return "drop"
+		case proxy.VerdictReject:
+			return "goto " + chainReject
+		}
+	}
+	return ""
+}
+
+// render draws one service port's decisions: every destination's shape and
+// elements. It holds no Service semantics: which list, masquerade or
+// verdict each class gets comes from the decision table.
+func (l *layout) render(st *proxy.ServiceState) (*renderedService, error) {
+	d := &st.Decisions
+	proto := strings.ToLower(string(st.Protocol))
+	rs := &renderedService{name: st.Name, healthCheck: st.HealthCheckNodePort}
+	seen := map[destKey]bool{}
+	add := func(kind proxy.DestinationKind, key destKey) (*destRender, error) {
+		if seen[key] {
+			// The same address twice (an external IP that is also a
+			// load-balancer IP): the first kind has it.
+			return nil, nil
+		}
+		seen[key] = true
+		dr, err := l.renderDest(st, kind, key)
+		if err != nil {
+			return nil, fmt.Errorf("service port %s, %s: %w", st.Name, key, err)
+		}
+		rs.dests = append(rs.dests, dr)
+		return dr, nil
+	}
+	valid := func(a netip.Addr) bool { return a.IsValid() && a.Is6() == l.fam.ipv6 && !a.Is4In6() }
+	if d.Has(proxy.DestClusterIP) && valid(st.ClusterIP) {
+		if _, err := add(proxy.DestClusterIP, destKey{addr: st.ClusterIP, proto: proto, port: st.Port}); err != nil {
+			return nil, err
+		}
+	}
+	if d.Has(proxy.DestNodePort) && st.NodePort > 0 {
+		if _, err := add(proxy.DestNodePort, destKey{nodePort: true, proto: proto, port: st.NodePort}); err != nil {
+			return nil, err
+		}
+	}
+	if d.Has(proxy.DestExternalIP) {
+		for _, ip := range st.ExternalIPs {
+			if !valid(ip) {
+				continue
+			}
+			if _, err := add(proxy.DestExternalIP, destKey{addr: ip, proto: proto, port: st.Port}); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if d.Has(proxy.DestLoadBalancerIP) {
+		for _, ip := range st.LoadBalancerVIPs {
+			if !valid(ip) {
+				continue
+			}
+			dr, err := add(proxy.DestLoadBalancerIP, destKey{addr: ip, proto: proto, port: st.Port})
+			if err != nil {
+				return nil, err
+			}
+			if dr != nil && d.Firewall != nil {
+				dr.small = append(dr.small, l.firewallElems(dr.key, d.Firewall)...)
+			}
+		}
+	}
+	for _, ep := range d.Hairpin {
+		if valid(ep.IP) {
+			rs.hairpin = append(rs.hairpin, ep.IP)
+		}
+	}
+	for _, dr := range rs.dests {
+		dr.computeDigest()
+	}
+	return rs, nil
+}
+
+// renderDest renders one destination of kind.
+func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, key destKey) (*destRender, error) {
+	d := &st.Decisions
+	dr := &destRender{key: key, owner: st.Name}
+	shape := shapeKey{nodePort: key.nodePort, proto: key.proto, affinity: d.AffinitySeconds}
+	for _, c := range proxy.SourceClasses {
+		dec := d.For(kind, c)
+		if dec.Verdict != proxy.VerdictDeliver {
+			continue
+		}
+		n := len(st.Endpoints(dec.Endpoints))
+		if n == 0 || dec.Endpoints == proxy.SelectNone {
+			return nil, fmt.Errorf("%s class is delivered over an empty %s list", c, dec.Endpoints)
+		}
+		shape.classes[c] = classAction{deliver: true, sel: dec.Endpoints, count: n, masq: dec.Masquerade}
+	}
+	if shape.delivers() {
+		sc, err := l.chain(shape.name(), func() (*chainDef, error) { return l.shapeChain(shape) })
+		if err != nil {
+			return nil, err
+		}
+		dr.chains = append(dr.chains, sc)
+		var sels [3]bool
+		for _, a := range shape.classes {
+			if !a.deliver {
+				continue
+			}
+			sels[a.sel] = true
+			p := shape.pick(a)
+			if pc, _ := l.chain(p.name(), func() (*chainDef, error) { return l.pickChain(p), nil }); !slices.Contains(dr.chains, pc) {
+				dr.chains = append(dr.chains, pc)
+			}
+		}
+		for i, sel := range []proxy.EndpointSelection{proxy.SelectCluster, proxy.SelectLocal} {
+			if !sels[sel] {
+				continue
+			}
+			eps := st.Endpoints(sel)
+			dr.eps[i] = make([]netip.AddrPort, len(eps))
+			for j, ep := range eps {
+				dr.eps[i][j] = netip.AddrPortFrom(ep.IP, uint16(ep.Port))
+			}
+		}
+		h := fnv.New64a()
+		h.Write([]byte(shape.name() + "\n"))
+		big := dr.bigElems()
+		for i := range big {
+			h.Write([]byte(big[i].id() + big[i].val() + "\n"))
+			dr.bigDigest ^= elemDigest(&big[i])
+		}
+		dr.hash = fmt.Sprintf("%016x", h.Sum64())
+		dr.small = append(dr.small, elem{set: key.dispatchMap(), key: key.dispatchKey(),
+			value: []string{"goto " + shape.name()}, comment: dispatchComment(dr.hash, dr.counts(), st.Name)})
+	}
+	if v := filterVerdict(d, kind); v != "" {
+		dr.small = append(dr.small, elem{set: key.noEndpointMap(), key: key.dispatchKey(), value: []string{v}, comment: shortComment(st.Name)})
+	}
+	return dr, nil
+}
+
+// elemDigest is an element's share of a table digest.
+func elemDigest(e *elem) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(e.id() + e.val()))
+	return h.Sum64()
+}
+
+// computeDigest sets dr.digest from all its elements (called once the
+// render is complete).
+func (dr *destRender) computeDigest() {
+	dr.digest = dr.bigDigest
+	for i := range dr.small {
+		dr.digest ^= elemDigest(&dr.small[i])
+	}
+}
+
+// chain returns the chain of that name, rendering it the first time this
+// layout is asked for it: destinations of one shape share its chains.
+func (l *layout) chain(name string, render func() (*chainDef, error)) (string, error) {
+	if _, ok := l.chains[name]; ok {
+		return name, nil
+	}
+	c, err := render()
+	if err != nil {
+		return "", err
+	}
+	if l.chains == nil {
+		l.chains = map[string]*chainDef{}
+	}
+	l.chains[name] = c
+	return name, nil
+}
+
+// firewallElems are a load-balancer IP's source ranges: the destination in
+// firewall-ips, and (destination, range) in firewall-allow for each range
+// not inside another (an interval set refuses overlapping elements), plus
+// the VIP itself with AllowVIPSource.
+func (l *layout) firewallElems(key destKey, f *proxy.SourceFilter) []elem {
+	dk := key.dispatchKey()
+	out := []elem{{set: setFirewallIPs, key: dk}}
+	var ranges []netip.Prefix
+	for _, p := range f.Allowed {
+		if p.IsValid() && p.Addr().Is6() == l.fam.ipv6 {
+			ranges = append(ranges, p.Masked())
+		}
+	}
+	if f.AllowVIPSource {
+		ranges = append(ranges, netip.PrefixFrom(key.addr, key.addr.BitLen()))
+	}
+	slices.SortFunc(ranges, func(a, b netip.Prefix) int {
+		if c := a.Bits() - b.Bits(); c != 0 {
+			return c
+		}
+		return a.Addr().Compare(b.Addr())
+	})
+	var kept []netip.Prefix
+	for _, p := range ranges {
+		inside := false
+		for _, k := range kept {
+			if k.Bits() <= p.Bits() && k.Contains(p.Addr()) {
+				inside = true
+				break
+			}
+		}
+		if !inside {
+			kept = append(kept, p)
+		}
+	}
+	slices.SortFunc(kept, func(a, b netip.Prefix) int {
+		if c := a.Addr().Compare(b.Addr()); c != 0 {
+			return c
+		}
+		return a.Bits() - b.Bits()
+	})
+	for _, p := range kept {
+		s := p.String()
+		if p.IsSingleIP() {
+			s = hostString(p.Addr())
+		}
+		out = append(out, elem{set: setFirewallAllow, key: append(slices.Clone(dk), s)})
+	}
+	return out
+}
