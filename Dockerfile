@@ -1,5 +1,5 @@
 # kproxy image: a static Go binary on Debian slim with iptables (legacy and
-# nft), ipset and conntrack. The entrypoint picks the iptables flavour the
+# nft), nftables (nft, for nftables mode), ipset and conntrack. The entrypoint picks the iptables flavour the
 # host already uses, so kproxy's rules land beside the host's.
 FROM golang:1.26-bookworm AS build
 WORKDIR /src
@@ -14,7 +14,7 @@ RUN CGO_ENABLED=0 go build -trimpath \
 FROM debian:bookworm-slim
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      iptables ipset conntrack iproute2 ca-certificates \
+      iptables nftables ipset conntrack iproute2 ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /out/kproxy /usr/local/bin/kproxy
 COPY hack/iptables-mode.sh /usr/local/bin/kproxy-entrypoint

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs what kproxy's build and tests need on a Debian machine, skipping
-# whatever is already there: iptables (legacy and nft), ipset, conntrack,
-# iproute2, and Go modules.
+# whatever is already there: iptables (legacy and nft), nftables (the nft
+# command of nftables mode), ipset, conntrack, iproute2, and Go modules.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need=()
 command -v iptables-restore >/dev/null 2>&1 || need+=(iptables)
+command -v nft >/dev/null 2>&1 || need+=(nftables)
 command -v ipset >/dev/null 2>&1 || need+=(ipset)
 command -v conntrack >/dev/null 2>&1 || need+=(conntrack)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)

@@ -4,9 +4,10 @@
 # It creates a kind cluster without kube-proxy (networking.kubeProxyMode:
 # none; one control-plane node and two workers), builds kproxy's image and
 # loads it into the nodes, deploys hack/deploy/ (the DaemonSet pointed at
-# that image and at the API server's own address), then runs echo pods
-# (agnhost netexec) behind Services and checks, from a client pod and from
-# node containers (docker exec):
+# that image and at the API server's own address, the ConfigMap at the
+# proxy mode chosen with --mode: iptables, ipvs or nftables), then runs
+# echo pods (agnhost netexec) behind Services and checks, from a client pod
+# and from node containers (docker exec):
 #   ClusterIP            requests reach every endpoint;
 #   NodePort             on another node's address;
 #   externalTrafficPolicy=Local
@@ -16,7 +17,8 @@
 #                        every request of a client reaches the same pod;
 #   no endpoints         a connection is refused at once (REJECT), not left
 #                        to time out;
-#   health and metrics   /healthz on :10256 and /proxyMode on :10249.
+#   health and metrics   /healthz on :10256 and /proxyMode on :10249 (the
+#                        chosen mode).
 # The cluster is deleted on exit, whatever happened (--keep keeps it).
 #
 # Needs docker (with a running engine), kind and kubectl. It is not part of
@@ -35,6 +37,8 @@ agnhost_image=${AGNHOST_IMAGE:-registry.k8s.io/e2e-test-images/agnhost:2.66.1}
 # How long a check may take to pass: kproxy programs a change within a
 # sync, but pods and Services need a moment to come up first.
 check_timeout=${CHECK_TIMEOUT:-90}
+# kproxy's proxy mode (the ConfigMap's mode).
+mode=${KPROXY_MODE:-iptables}
 build=1
 keep=0
 dry_run=0
@@ -60,6 +64,8 @@ Flags:
   --node-image IMAGE   kind node image (default: kind's own; env KIND_NODE_IMAGE)
   --agnhost IMAGE      echo and client image (default: $agnhost_image; env AGNHOST_IMAGE)
   --check-timeout SEC  how long each traffic check may retry (default: $check_timeout; env CHECK_TIMEOUT)
+  --mode MODE          kproxy's proxy mode: iptables, ipvs (the host kernel needs IPVS) or
+                       nftables (default: $mode; env KPROXY_MODE)
   --keep               keep the cluster on exit (delete it with: kind delete cluster --name NAME)
   --dry-run            print the commands instead of running them
   -h, --help           this help
@@ -74,6 +80,7 @@ while [ $# -gt 0 ]; do
     --node-image) node_image=${2:?--node-image needs a value}; shift 2 ;;
     --agnhost) agnhost_image=${2:?--agnhost needs a value}; shift 2 ;;
     --check-timeout) check_timeout=${2:?--check-timeout needs a value}; shift 2 ;;
+    --mode) mode=${2:?--mode needs a value}; shift 2 ;;
     --keep) keep=1; shift ;;
     --dry-run) dry_run=1; shift ;;
     -h | --help) usage; exit 0 ;;
@@ -82,6 +89,10 @@ while [ $# -gt 0 ]; do
 done
 case "$check_timeout" in
   '' | *[!0-9]*) echo "kind-e2e: --check-timeout must be a number of seconds" >&2; exit 2 ;;
+esac
+case "$mode" in
+  iptables | ipvs | nftables) ;;
+  *) echo "kind-e2e: --mode must be iptables, ipvs or nftables" >&2; exit 2 ;;
 esac
 
 # kind names its node containers (and Nodes) after the cluster.
@@ -327,6 +338,11 @@ require docker kind kubectl
 if ! grep -q "image: $deploy_image\$" "$deploy_dir/03-daemonset.yaml"; then
   fail "hack/deploy/03-daemonset.yaml does not use image $deploy_image: this script cannot point it at $image"
 fi
+# The ConfigMap's config.conf line naming the mode, replaced by $mode.
+deploy_mode_line='    mode: iptables'
+if ! grep -qx "$deploy_mode_line" "$deploy_dir/02-configmap.yaml"; then
+  fail "hack/deploy/02-configmap.yaml has no line '$deploy_mode_line': this script cannot set the mode $mode"
+fi
 if ! dry && kind get clusters 2>/dev/null | grep -qx "$cluster_name"; then
   fail "a kind cluster named $cluster_name exists already (delete it, or pick another --name)"
 fi
@@ -362,11 +378,16 @@ run kind load docker-image "$image" --name "$cluster_name"
 # kproxy must reach the API server without the `kubernetes` Service (no
 # service proxy runs yet): the ConfigMap gets the control plane node's
 # address (which the API server's certificate names) before any kproxy pod
-# starts. The DaemonSet's image is replaced with $image.
-log "deploying hack/deploy/"
+# starts. The ConfigMap's mode is replaced with $mode, the DaemonSet's image
+# with $image.
+log "deploying hack/deploy/ in $mode mode"
 apiserver_ip=$(node_ip "$cp_node")
 for f in "$deploy_dir"/*.yaml; do
   if grep -q '^kind: DaemonSet$' "$f"; then continue; fi
+  if grep -q '^kind: ConfigMap$' "$f"; then
+    sed "s#^$deploy_mode_line\$#    mode: $mode#" "$f" >"$work/$(basename "$f")"
+    f="$work/$(basename "$f")"
+  fi
   run kubectl apply -f "$f"
 done
 run kubectl -n kube-system patch configmap kproxy --type merge \
@@ -521,11 +542,11 @@ eventually "no endpoints: refused at once, from a pod" refused_from_pod "$nobody
 eventually "no endpoints: refused at once, from a node" refused_from_node "$worker2" "$nobody_ip:80"
 for node in "$cp_node" "$worker1" "$worker2"; do
   eventually "kproxy's /healthz on $node" status "$node" http://127.0.0.1:10256/healthz 200
-  eventually "kproxy's /proxyMode on $node" answers "$node" http://127.0.0.1:10249/proxyMode iptables
+  eventually "kproxy's /proxyMode on $node" answers "$node" http://127.0.0.1:10249/proxyMode "$mode"
 done
 
 if dry; then
   log "dry run: nothing was run"
 else
-  log "PASS: kproxy serves ClusterIP, NodePort, externalTrafficPolicy=Local, session affinity and no-endpoint rejects on kind"
+  log "PASS: kproxy ($mode mode) serves ClusterIP, NodePort, externalTrafficPolicy=Local, session affinity and no-endpoint rejects on kind"
 fi

@@ -25,6 +25,11 @@ import (
 
 const subsystem = "kubeproxy"
 
+// modeNFTables is nftables mode's name (--proxy-mode): a failed sync
+// counts as an nftables sync failure rather than an iptables-restore
+// failure, and no iptables rules are counted.
+const modeNFTables = "nftables"
+
 // Label names, as kube-proxy uses them.
 const (
 	labelIPFamily      = "ip_family"
@@ -35,7 +40,9 @@ const (
 
 // Options configures Metrics.
 type Options struct {
-	// Mode is the proxy mode ("iptables"), for /proxyMode and build info.
+	// Mode is the proxy mode ("iptables", "ipvs", "nftables"), for
+	// /proxyMode and build info; it also picks the failure counter of a
+	// failed sync.
 	Mode    string
 	Version string
 	// PendingChanges, when set, is read at every scrape for the
@@ -64,6 +71,8 @@ type Metrics struct {
 	iptablesLast        *prometheus.GaugeVec
 	restoreFailures     *prometheus.CounterVec
 	partialFailures     *prometheus.CounterVec
+	nftSyncFailures     *prometheus.CounterVec
+	nftCleanupFailures  *prometheus.CounterVec
 	healthz             *prometheus.CounterVec
 	livez               *prometheus.CounterVec
 	buildInfo           *prometheus.GaugeVec
@@ -117,6 +126,8 @@ func New(opts Options) (*Metrics, error) {
 	m.iptablesLast = gauge("sync_proxy_rules_iptables_last", "Number of iptables rules written by kube-proxy in last sync", labelTable, labelIPFamily)
 	m.restoreFailures = counter("sync_proxy_rules_iptables_restore_failures_total", "Cumulative proxy iptables restore failures", labelIPFamily)
 	m.partialFailures = counter("sync_proxy_rules_iptables_partial_restore_failures_total", "Cumulative proxy iptables partial restore failures", labelIPFamily)
+	m.nftSyncFailures = counter("sync_proxy_rules_nftables_sync_failures_total", "Cumulative proxy nftables sync failures", labelIPFamily)
+	m.nftCleanupFailures = counter("sync_proxy_rules_nftables_cleanup_failures_total", "Cumulative proxy nftables cleanup failures", labelIPFamily)
 	m.healthz = counter("proxy_healthz_total", "Cumulative proxy healthz HTTP status", labelCode)
 	m.livez = counter("proxy_livez_total", "Cumulative proxy livez HTTP status", labelCode)
 	m.buildInfo = prometheus.NewGaugeVec(prometheus.GaugeOpts{
@@ -141,6 +152,7 @@ func New(opts Options) (*Metrics, error) {
 		m.syncDuration, m.syncFullDuration, m.syncPartialDuration, m.lastSync, m.lastQueued,
 		m.networkProgramming, m.endpointChanges, m.serviceChanges, endpointsPending, servicesPending,
 		m.noLocalEndpoints, m.iptablesTotal, m.iptablesLast, m.restoreFailures, m.partialFailures,
+		m.nftSyncFailures, m.nftCleanupFailures,
 		m.healthz, m.livez, m.buildInfo,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
@@ -163,9 +175,10 @@ func (m *Metrics) SyncQueued(family v1.IPFamily, when time.Time) {
 }
 
 // SyncDone records one sync attempt. Every attempt counts in the duration
-// histograms; a failed one counts as a restore failure (and a partial
-// restore failure when partial); the rest is recorded only for successful
-// syncs, as kube-proxy does.
+// histograms; a failed one counts as an nftables sync failure in nftables
+// mode, else as a restore failure (and a partial restore failure when
+// partial); the rest is recorded only for successful syncs, as kube-proxy
+// does. nftables mode counts no iptables rules.
 func (m *Metrics) SyncDone(r proxy.SyncResult) {
 	family := string(r.Family)
 	d := r.Duration.Seconds()
@@ -178,6 +191,10 @@ func (m *Metrics) SyncDone(r proxy.SyncResult) {
 	m.serviceChanges.Add(float64(r.ServiceChanges))
 	m.endpointChanges.Add(float64(r.EndpointChanges))
 	if r.Err != nil {
+		if m.opts.Mode == modeNFTables {
+			m.nftSyncFailures.WithLabelValues(family).Inc()
+			return
+		}
 		m.restoreFailures.WithLabelValues(family).Inc()
 		if !r.Full {
 			m.partialFailures.WithLabelValues(family).Inc()
@@ -190,6 +207,10 @@ func (m *Metrics) SyncDone(r proxy.SyncResult) {
 	}
 	m.noLocalEndpoints.WithLabelValues("internal", family).Set(float64(r.NoLocalEndpointsInternal))
 	m.noLocalEndpoints.WithLabelValues("external", family).Set(float64(r.NoLocalEndpointsExternal))
+	m.lastSync.WithLabelValues(family).Set(seconds(now))
+	if m.opts.Mode == modeNFTables {
+		return
+	}
 	for table, n := range r.RuleCounts {
 		m.iptablesTotal.WithLabelValues(table, family).Set(float64(n))
 		if r.RulesWritten == nil {
@@ -200,7 +221,13 @@ func (m *Metrics) SyncDone(r proxy.SyncResult) {
 	for table, n := range r.RulesWritten {
 		m.iptablesLast.WithLabelValues(table, family).Set(float64(n))
 	}
-	m.lastSync.WithLabelValues(family).Set(seconds(now))
+}
+
+// NFTablesCleanupFailed counts one failed removal of nftables state of
+// family: a stale chain in nftables mode, or kproxy's nftables table when
+// another mode starts.
+func (m *Metrics) NFTablesCleanupFailed(family v1.IPFamily) {
+	m.nftCleanupFailures.WithLabelValues(string(family)).Inc()
 }
 
 // HealthzResponded counts one /healthz answer (healthcheck.ProbeRecorder).

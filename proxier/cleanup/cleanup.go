@@ -9,7 +9,10 @@
 //   - IPVS mode's ipsets (IPVSSetNames);
 //   - IPVS virtual servers recorded in those sets (RecordedVirtualServers)
 //     or known to a running backend;
-//   - IPVS mode's dummy device (DefaultDummyDevice) and its addresses.
+//   - IPVS mode's dummy device (DefaultDummyDevice) and its addresses;
+//   - nftables mode's table (NFTablesTable: "ip kproxy", "ip6 kproxy") and
+//     everything in it; never another table (kube-proxy's "kube-proxy"
+//     tables, iptables-nft's tables).
 //
 // A new mode adds what it owns here and its removal to Cleanup.
 package cleanup
@@ -26,16 +29,21 @@ import (
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/ipvs"
 	"github.com/kproxy/kproxy/pkg/netlink"
+	"sigs.k8s.io/knftables"
 )
 
 // Options names one IP family's kernel interfaces. IPTables is required
-// (it also gives the family); a nil IPVS, IPSet or Netlink is skipped, for
-// a kernel that lacks it (and so cannot hold anything of kproxy's there).
+// (it also gives the family); a nil IPVS, IPSet, Netlink or NFTables is
+// skipped, for a kernel that lacks it (and so cannot hold anything of
+// kproxy's there).
 type Options struct {
 	IPTables ipt.Interface
 	IPVS     ipvs.Interface
 	IPSet    ipset.Interface
 	Netlink  netlink.Interface
+	// NFTables is an nftables interface bound to no table (OpenNFTables);
+	// only kproxy's table of the family is deleted through it.
+	NFTables knftables.Interface
 	// DummyDevice: default DefaultDummyDevice.
 	DummyDevice string
 	// OwnedVirtualServers are virtual servers known to be kproxy's besides
@@ -57,8 +65,9 @@ func RemoveChains(ctx context.Context, iface ipt.Interface, owned func(chain str
 }
 
 // Cleanup removes what kproxy left for one family, in every mode, in an
-// order that never leaves a reference dangling: the iptables hooks and
-// chains of both modes first, then IPVS mode's ipsets (nothing references
+// order that never leaves a reference dangling: nftables mode's table
+// (nothing outside it refers to it), the iptables hooks and chains of the
+// other modes, then IPVS mode's ipsets (nothing references
 // them any more), then kproxy's IPVS virtual servers (by the ownership
 // rule of the package documentation, read before the sets go), then the
 // family's addresses on the dummy device, and the device itself once it
@@ -75,6 +84,12 @@ func Cleanup(ctx context.Context, opts Options) error {
 	logger := klog.FromContext(ctx)
 	ipv6 := opts.IPTables.Protocol() == ipt.ProtocolIPv6
 	var errs []error
+
+	if opts.NFTables != nil {
+		if err := RemoveNFTablesTable(ctx, opts.NFTables, ipv6); err != nil {
+			errs = append(errs, err)
+		}
+	}
 
 	if err := RemoveChains(ctx, opts.IPTables, IsChain); err != nil {
 		errs = append(errs, fmt.Errorf("removing iptables chains: %w", err))

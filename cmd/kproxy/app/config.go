@@ -51,11 +51,8 @@ const (
 	kubeProxyDefaultMinSync     = time.Second
 )
 
-// kube-proxy's modes that kproxy does not have.
-const (
-	kubeProxyModeNFTables    = "nftables"
-	kubeProxyModeKernelspace = "kernelspace"
-)
+// kube-proxy's mode that kproxy does not have.
+const kubeProxyModeKernelspace = "kernelspace"
 
 // ConfigWarning is a setting of a config file that kproxy does not honour,
 // or reads differently from kube-proxy.
@@ -197,12 +194,14 @@ func (a *configApplier) duration(d metav1.Duration, flag string, dst *time.Durat
 // ApplyProxyConfig sets every option cfg sets, except those whose flag
 // fs reports as given on the command line (fs may be nil: the file sets
 // everything). It returns warnings for settings kproxy does not honour and
-// an error for settings it cannot run with (say mode "nftables").
+// an error for settings it cannot run with (say mode "kernelspace").
 // logging.verbosity and logging.vmodule set klog's -v and --vmodule
 // flags, when fs has them.
 func (o *Options) ApplyProxyConfig(cfg *kubeproxyconfig.KubeProxyConfiguration, fs *pflag.FlagSet) ([]ConfigWarning, error) {
 	a := &configApplier{o: o, fs: fs}
 	a.general(cfg)
+	// The mode first: it picks the block (iptables or nftables) that sets
+	// the shared masquerade and sync settings.
 	a.mode(cfg)
 	a.iptables(cfg)
 	a.ipvs(cfg)
@@ -258,44 +257,69 @@ func (a *configApplier) mode(cfg *kubeproxyconfig.KubeProxyConfiguration) {
 	switch string(cfg.Mode) {
 	case "":
 		return
-	case ModeIPTables, ModeIPVS:
+	case ModeIPTables, ModeIPVS, ModeNFTables:
 		if a.fromFile("proxy-mode") {
 			a.o.ProxyMode = string(cfg.Mode)
 		}
-	case kubeProxyModeNFTables:
-		a.fail("mode", "%q is not supported by kproxy; use %q or %q", cfg.Mode, ModeIPTables, ModeIPVS)
 	case kubeProxyModeKernelspace:
-		a.fail("mode", "%q is kube-proxy's Windows mode; kproxy runs on Linux: use %q or %q", cfg.Mode, ModeIPTables, ModeIPVS)
+		a.fail("mode", "%q is kube-proxy's Windows mode; kproxy runs on Linux: use %s", cfg.Mode, modeList)
 	default:
-		a.fail("mode", "%q is not a proxy mode; use %q or %q", cfg.Mode, ModeIPTables, ModeIPVS)
+		a.fail("mode", "%q is not a proxy mode; use %s", cfg.Mode, modeList)
 	}
 }
 
-func (a *configApplier) iptables(cfg *kubeproxyconfig.KubeProxyConfiguration) {
-	o, ipt := a.o, cfg.IPTables
-	if ipt.MasqueradeBit != nil && a.fromFile("iptables-masquerade-bit") {
-		o.MasqueradeBit = int(*ipt.MasqueradeBit)
+// nftablesMode reports whether the options, as applied so far, run
+// nftables mode: the nftables block then sets the masquerade and sync
+// settings, as in kube-proxy, and the iptables block is not read.
+func (a *configApplier) nftablesMode() bool { return a.o.ProxyMode == ModeNFTables }
+
+// masqueradeAndSync maps a block's masqueradeBit, masqueradeAll,
+// syncPeriod and minSyncPeriod (the iptables and nftables blocks share
+// them) onto the options, under the same flags.
+func (a *configApplier) masqueradeAndSync(bit *int32, all bool, sync, minSync metav1.Duration) {
+	o := a.o
+	if bit != nil && a.fromFile("iptables-masquerade-bit") {
+		o.MasqueradeBit = int(*bit)
 	}
-	if ipt.MasqueradeAll && a.fromFile("masquerade-all") {
+	if all && a.fromFile("masquerade-all") {
 		o.MasqueradeAll = true
 	}
-	a.duration(ipt.SyncPeriod, "iptables-sync-period", &o.SyncPeriod)
-	a.duration(ipt.MinSyncPeriod, "iptables-min-sync-period", &o.MinSyncPeriod)
+	a.duration(sync, "iptables-sync-period", &o.SyncPeriod)
+	a.duration(minSync, "iptables-min-sync-period", &o.MinSyncPeriod)
+}
+
+// blockSet reports whether a block's shared settings differ from zero and
+// kube-proxy's defaults.
+func blockSet(bit *int32, all bool, sync, minSync metav1.Duration) bool {
+	return all ||
+		(bit != nil && *bit != kubeProxyDefaultMasqBit) ||
+		(sync.Duration != 0 && sync.Duration != kubeProxyDefaultSyncPeriod) ||
+		(minSync.Duration != 0 && minSync.Duration != kubeProxyDefaultMinSync)
+}
+
+// iptables maps the iptables block, which iptables and IPVS modes read.
+func (a *configApplier) iptables(cfg *kubeproxyconfig.KubeProxyConfiguration) {
+	ipt := cfg.IPTables
+	if a.nftablesMode() {
+		a.ignored("iptables", blockSet(ipt.MasqueradeBit, ipt.MasqueradeAll, ipt.SyncPeriod, ipt.MinSyncPeriod),
+			" in nftables mode, which reads the nftables block (as kube-proxy does)")
+		return
+	}
+	a.masqueradeAndSync(ipt.MasqueradeBit, ipt.MasqueradeAll, ipt.SyncPeriod, ipt.MinSyncPeriod)
 	if ipt.LocalhostNodePorts != nil && *ipt.LocalhostNodePorts {
 		a.warn("iptables.localhostNodePorts", "ignored: kproxy never serves NodePorts on 127.0.0.1 (it would need route_localnet)")
 	}
 }
 
+// nftables maps the nftables block, which only nftables mode reads.
 func (a *configApplier) nftables(cfg *kubeproxyconfig.KubeProxyConfiguration) {
-	if string(cfg.Mode) == kubeProxyModeNFTables {
-		return // an error already
-	}
 	nft := cfg.NFTables
-	set := nft.MasqueradeAll ||
-		(nft.MasqueradeBit != nil && *nft.MasqueradeBit != kubeProxyDefaultMasqBit) ||
-		(nft.SyncPeriod.Duration != 0 && nft.SyncPeriod.Duration != kubeProxyDefaultSyncPeriod) ||
-		(nft.MinSyncPeriod.Duration != 0 && nft.MinSyncPeriod.Duration != kubeProxyDefaultMinSync)
-	a.ignored("nftables", set, " (kube-proxy too reads it only in nftables mode)")
+	if !a.nftablesMode() {
+		a.ignored("nftables", blockSet(nft.MasqueradeBit, nft.MasqueradeAll, nft.SyncPeriod, nft.MinSyncPeriod),
+			" outside nftables mode (kube-proxy too reads it only in nftables mode)")
+		return
+	}
+	a.masqueradeAndSync(nft.MasqueradeBit, nft.MasqueradeAll, nft.SyncPeriod, nft.MinSyncPeriod)
 }
 
 func (a *configApplier) network(cfg *kubeproxyconfig.KubeProxyConfiguration) {
@@ -375,12 +399,24 @@ func (o *Options) ProxyConfig(fs *pflag.FlagSet) (*kubeproxyconfig.KubeProxyConf
 		ClusterCIDR:        o.ClusterCIDR,
 		NodePortAddresses:  slices.Clone(o.NodePortAddresses),
 		ConfigSyncPeriod:   metav1.Duration{Duration: o.ConfigSyncPeriod},
-		IPTables: kubeproxyconfig.KubeProxyIPTablesConfiguration{
+	}
+	// The masquerade and sync settings go to the block the mode reads.
+	minSyncField := "iptables.minSyncPeriod"
+	if o.ProxyMode == ModeNFTables {
+		minSyncField = "nftables.minSyncPeriod"
+		cfg.NFTables = kubeproxyconfig.KubeProxyNFTablesConfiguration{
 			MasqueradeBit: &bit,
 			MasqueradeAll: o.MasqueradeAll,
 			SyncPeriod:    metav1.Duration{Duration: o.SyncPeriod},
 			MinSyncPeriod: metav1.Duration{Duration: o.MinSyncPeriod},
-		},
+		}
+	} else {
+		cfg.IPTables = kubeproxyconfig.KubeProxyIPTablesConfiguration{
+			MasqueradeBit: &bit,
+			MasqueradeAll: o.MasqueradeAll,
+			SyncPeriod:    metav1.Duration{Duration: o.SyncPeriod},
+			MinSyncPeriod: metav1.Duration{Duration: o.MinSyncPeriod},
+		}
 	}
 	cfg.ClientConnection.Kubeconfig = o.Kubeconfig
 	o.ipvsProxyConfig(cfg)
@@ -401,7 +437,7 @@ func (o *Options) ProxyConfig(fs *pflag.FlagSet) (*kubeproxyconfig.KubeProxyConf
 			Message: "the metrics server is disabled, which a config file cannot express (empty means the default): pass --metrics-bind-address= alongside --config"})
 	}
 	if o.MinSyncPeriod == 0 {
-		warnings = append(warnings, ConfigWarning{Field: "iptables.minSyncPeriod",
+		warnings = append(warnings, ConfigWarning{Field: minSyncField,
 			Message: "0 (sync at once) reads back as the default (1s) from a config file: pass --iptables-min-sync-period=0 alongside --config"})
 	}
 	for _, f := range []struct {

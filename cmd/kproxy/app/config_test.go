@@ -229,6 +229,17 @@ logging:
 			wantWarnings: []string{"iptables.localhostNodePorts"},
 		},
 		{
+			name: "kube-proxy's defaults written out in nftables mode",
+			file: strings.Replace(string(defaults), "\nmode: iptables\n", "\nmode: nftables\n", 1),
+			want: func(o *Options) {
+				o.ProxyMode = ModeNFTables
+				o.Kubeconfig = "/var/lib/kube-proxy/kubeconfig.conf"
+				o.ClusterCIDR = "10.244.0.0/16"
+				o.MetricsBindAddress = "0.0.0.0:10249"
+			},
+			// Only iptables mode reads iptables.localhostNodePorts.
+		},
+		{
 			name: "every supported field",
 			file: everything,
 			want: func(o *Options) {
@@ -357,13 +368,89 @@ logging:
 			file: header + "mode: ipvs\n",
 			want: func(o *Options) { o.ProxyMode = ModeIPVS },
 		},
-		{name: "nftables mode is refused", file: header + "mode: nftables\n", wantErrs: []string{"mode", `"nftables" is not supported`}},
+		{
+			name: "nftables mode is passed on",
+			file: header + "mode: nftables\n",
+			want: func(o *Options) { o.ProxyMode = ModeNFTables },
+		},
+		{
+			name: "nftables mode reads the nftables block",
+			file: header + "mode: nftables\nnftables:\n  masqueradeBit: 12\n  masqueradeAll: true\n  syncPeriod: 1m\n  minSyncPeriod: 2s\n" +
+				"iptables:\n  masqueradeBit: 14\n  syncPeriod: 30s\n  minSyncPeriod: 1s\n  localhostNodePorts: true\n",
+			want: func(o *Options) {
+				o.ProxyMode = ModeNFTables
+				o.MasqueradeBit = 12
+				o.MasqueradeAll = true
+				o.SyncPeriod = time.Minute
+				o.MinSyncPeriod = 2 * time.Second
+			},
+		},
+		{
+			name: "nftables mode: a set iptables block is ignored, with a warning",
+			file: header + "mode: nftables\nnftables:\n  syncPeriod: 1m\niptables:\n  masqueradeBit: 3\n  masqueradeAll: true\n  syncPeriod: 5s\n",
+			want: func(o *Options) {
+				o.ProxyMode = ModeNFTables
+				o.SyncPeriod = time.Minute
+			},
+			wantWarnings: []string{"iptables"},
+		},
+		{
+			name: "nftables mode: zero values in the nftables block mean the default",
+			file: header + "mode: nftables\nnftables:\n  masqueradeBit: null\n  syncPeriod: 0s\n  minSyncPeriod: 0s\n",
+			want: func(o *Options) { o.ProxyMode = ModeNFTables },
+		},
+		{
+			name: "nftables mode: masquerade bit 0 is a value",
+			file: header + "mode: nftables\nnftables:\n  masqueradeBit: 0\n",
+			want: func(o *Options) {
+				o.ProxyMode = ModeNFTables
+				o.MasqueradeBit = 0
+			},
+		},
+		{
+			name: "nftables mode: flags given on the command line win over the nftables block",
+			file: header + "mode: nftables\nnftables:\n  masqueradeBit: 12\n  masqueradeAll: true\n  syncPeriod: 1m\n  minSyncPeriod: 2s\n",
+			args: []string{"--iptables-masquerade-bit=3", "--masquerade-all=false", "--iptables-sync-period=10s", "--iptables-min-sync-period=0"},
+			want: func(o *Options) {
+				o.ProxyMode = ModeNFTables
+				o.MasqueradeBit = 3
+				o.SyncPeriod = 10 * time.Second
+				o.MinSyncPeriod = 0
+			},
+		},
+		{
+			name: "--proxy-mode=nftables over a file in iptables mode: the nftables block is read",
+			file: header + "mode: iptables\niptables:\n  syncPeriod: 5s\nnftables:\n  syncPeriod: 1m\n  masqueradeBit: 10\n",
+			args: []string{"--proxy-mode=nftables"},
+			want: func(o *Options) {
+				o.ProxyMode = ModeNFTables
+				o.SyncPeriod = time.Minute
+				o.MasqueradeBit = 10
+			},
+			wantWarnings: []string{"iptables"},
+		},
+		{
+			name:         "--proxy-mode=iptables over a file in nftables mode: the iptables block is read",
+			file:         header + "mode: nftables\niptables:\n  syncPeriod: 5s\nnftables:\n  syncPeriod: 1m\n",
+			args:         []string{"--proxy-mode=iptables"},
+			want:         func(o *Options) { o.SyncPeriod = 5 * time.Second },
+			wantWarnings: []string{"nftables"},
+		},
+		{
+			name: "ipvs mode reads the iptables block's masquerade settings, not the nftables block",
+			file: header + "mode: ipvs\niptables:\n  masqueradeBit: 9\nnftables:\n  masqueradeBit: 10\n",
+			want: func(o *Options) {
+				o.ProxyMode = ModeIPVS
+				o.MasqueradeBit = 9
+			},
+			wantWarnings: []string{"nftables"},
+		},
 		{name: "kernelspace mode is refused", file: header + "mode: kernelspace\n", wantErrs: []string{"mode", "Windows"}},
-		{name: "an unknown mode is refused", file: header + "mode: userspace\n", wantErrs: []string{"mode", `"userspace" is not a proxy mode`}},
+		{name: "an unknown mode is refused", file: header + "mode: userspace\n", wantErrs: []string{"mode", `"userspace" is not a proxy mode`, "iptables, ipvs or nftables"}},
 		{
 			name: "a refused mode is refused even under --proxy-mode",
-			file: header + "mode: nftables\n", args: []string{"--proxy-mode=iptables"},
-			wantErrs: []string{`"nftables" is not supported`},
+			file: header + "mode: kernelspace\n", args: []string{"--proxy-mode=iptables"},
+			wantErrs: []string{`"kernelspace" is kube-proxy's Windows mode`},
 		},
 		{
 			name:         "nodePortAddresses keywords are kept as they are; localhost warns",
@@ -494,6 +581,21 @@ func TestProxyConfigRoundTrip(t *testing.T) {
 			},
 		},
 		{
+			name: "nftables mode: the nftables block",
+			args: []string{
+				"--proxy-mode=nftables", "--masquerade-all", "--iptables-masquerade-bit=0", "--iptables-sync-period=40s",
+				"--iptables-min-sync-period=3s", "--cluster-cidr=10.244.0.0/16",
+			},
+		},
+		{
+			name:         "nftables mode: a min sync period of 0",
+			args:         []string{"--proxy-mode=nftables", "--iptables-min-sync-period=0"},
+			wantWarnings: []string{"nftables.minSyncPeriod"},
+			lost: func(o *Options) {
+				o.ProxyMode = ModeNFTables
+			},
+		},
+		{
 			name:         "what a file cannot express",
 			args:         []string{"--master=https://a", "--service-proxy-name=x", "--iptables-restore-batch-chains=7", "--healthz-bind-address=", "--metrics-bind-address=", "--iptables-min-sync-period=0"},
 			wantWarnings: []string{"healthzBindAddress", "metricsBindAddress", "iptables.minSyncPeriod", "--master", "--service-proxy-name", "--iptables-restore-batch-chains"},
@@ -599,7 +701,12 @@ func TestMainConfigFile(t *testing.T) {
 			wantWritten: []string{"clusterCIDR: 10.244.0.0/16", "  syncPeriod: 1m0s", "  masqueradeBit: 12", "mode: iptables"},
 		},
 		{name: "missing file", args: []string{"--config=" + filepath.Join(dir, "nope.yaml")}, wantErrs: []string{"reading the config file", "nope.yaml"}},
-		{name: "nftables mode", args: []string{"--config=" + write("nft.yaml", header+"mode: nftables\n")}, wantErrs: []string{"nft.yaml", `mode: "nftables" is not supported`}},
+		{
+			name:        "nftables mode",
+			args:        []string{"--config=" + write("nft.yaml", header+"mode: nftables\nnftables:\n  syncPeriod: 1m\n  masqueradeBit: 10\n"), "--iptables-min-sync-period=2s"},
+			wantWritten: []string{"mode: nftables", "nftables:", "  syncPeriod: 1m0s", "  masqueradeBit: 10", "  minSyncPeriod: 2s"},
+		},
+		{name: "kernelspace mode", args: []string{"--config=" + write("win.yaml", header+"mode: kernelspace\n")}, wantErrs: []string{"win.yaml", `mode: "kernelspace" is kube-proxy's Windows mode`}},
 		{
 			name:     "invalid value from the file",
 			args:     []string{"--config=" + write("bit.yaml", header+"iptables:\n  masqueradeBit: 40\n")},

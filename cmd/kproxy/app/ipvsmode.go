@@ -2,11 +2,9 @@ package app
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 
-	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 
 	"github.com/kproxy/kproxy/pkg/ipset"
@@ -15,7 +13,6 @@ import (
 	"github.com/kproxy/kproxy/pkg/netlink"
 	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
-	"github.com/kproxy/kproxy/proxier/cleanup"
 	ipvsbackend "github.com/kproxy/kproxy/proxier/ipvs"
 )
 
@@ -107,55 +104,4 @@ func newIPVSBackend(o *Options, k *ipvsKernel, i ipt.Interface, nodePortAddresse
 		Timeouts:     ipvs.Timeouts{TCP: o.IPVSTCPTimeout, TCPFin: o.IPVSTCPFinTimeout, UDP: o.IPVSUDPTimeout},
 		ExcludeCIDRs: exclude, MasqueradeBit: &bit, NodePortAddresses: nodePortAddresses,
 	})
-}
-
-// cleanupOtherMode removes the iptables chains the other proxy mode left
-// (a node switching modes without --cleanup): their rules would otherwise
-// keep handling service traffic, and the iptables backend would fail to
-// delete the IPVS chains its hooks reference. Failures are logged.
-func cleanupOtherMode(ctx context.Context, o *Options, ipts map[v1.IPFamily]ipt.Interface) {
-	other := cleanup.IsIPVSChain
-	if o.ProxyMode == ModeIPVS {
-		other = cleanup.IsIPTablesChain
-	}
-	for fam, i := range ipts {
-		if err := cleanup.RemoveChains(ctx, i, other); err != nil {
-			klog.FromContext(ctx).Error(err, "Removing the other proxy mode's iptables chains failed", "family", fam)
-		}
-	}
-}
-
-// cleanupAll removes what either mode left, for every family, with
-// cleanup.Cleanup: iptables chains and jumps, then IPVS mode's ipsets,
-// virtual servers and dummy device (where the kernel has them).
-func cleanupAll(ctx context.Context, o *Options, ipts map[v1.IPFamily]ipt.Interface) error {
-	logger := klog.FromContext(ctx)
-	k, err := openIPVSKernel(ctx, o, false)
-	if err != nil {
-		return err
-	}
-	defer k.close()
-	var errs []error
-	for _, fam := range []v1.IPFamily{v1.IPv4Protocol, v1.IPv6Protocol} {
-		i, ok := ipts[fam]
-		if !ok {
-			continue
-		}
-		opts := cleanup.Options{IPTables: i, Netlink: k.nl}
-		if k.ipvs != nil {
-			opts.IPVS = k.ipvs
-		}
-		if k.ipset != nil {
-			opts.IPSet = k.ipset
-		}
-		if err := cleanup.Cleanup(ctx, opts); err != nil {
-			errs = append(errs, fmt.Errorf("%s cleanup: %w", fam, err))
-			continue
-		}
-		logger.Info("Removed kproxy's rules", "family", fam)
-	}
-	if err := k.nl.DeleteDummyDevice(ctx, ipvsbackend.DefaultDummyDevice); err != nil {
-		errs = append(errs, err)
-	}
-	return errors.Join(errs...)
 }

@@ -25,8 +25,8 @@ func procSysctl(deps runDeps) conntrack.Sysctl {
 // checkRouteLocalnet reads route_localnet once at start-up and reports
 // whether it is set, with a warning: in iptables mode the backend then
 // drops packets from other sources to 127.0.0.0/8 (kube-proxy's rule); IPVS
-// mode does not, and only warns. A sysctl that cannot be read counts as
-// unset.
+// and nftables modes do not, and only warn. A sysctl that cannot be read
+// counts as unset.
 func checkRouteLocalnet(ctx context.Context, sys conntrack.Sysctl, mode string) bool {
 	logger := klog.FromContext(ctx)
 	v, err := sys.Get(sysctlRouteLocalnet)
@@ -37,10 +37,10 @@ func checkRouteLocalnet(ctx context.Context, sys conntrack.Sysctl, mode string) 
 	if v == 0 {
 		return false
 	}
-	if mode == ModeIPVS {
+	if mode == ModeIPVS || mode == ModeNFTables {
 		logger.Info("Warning: route_localnet is set (kube-proxy leaves it behind): other hosts may reach services listening on 127.0.0.1; "+
-			"kproxy's IPVS mode does not block them: set it to 0 unless something on the node needs it",
-			"sysctl", sysctlRouteLocalnet, "value", v)
+			"kproxy's "+mode+" mode does not block them: set it to 0 unless something on the node needs it",
+			"sysctl", sysctlRouteLocalnet, "value", v, "mode", mode)
 		return true
 	}
 	logger.Info("Warning: route_localnet is set (kube-proxy leaves it behind): kproxy drops packets to 127.0.0.0/8 from other sources, "+

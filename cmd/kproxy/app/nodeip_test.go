@@ -144,6 +144,7 @@ func TestCheckRouteLocalnet(t *testing.T) {
 		{name: "unset", sysctls: map[string]int{sysctlRouteLocalnet: 0}, mode: ModeIPTables},
 		{name: "set, iptables mode", sysctls: map[string]int{sysctlRouteLocalnet: 1}, mode: ModeIPTables, want: true},
 		{name: "set, ipvs mode", sysctls: map[string]int{sysctlRouteLocalnet: 1}, mode: ModeIPVS, want: true},
+		{name: "set, nftables mode", sysctls: map[string]int{sysctlRouteLocalnet: 1}, mode: ModeNFTables, want: true},
 		{name: "unreadable counts as unset", sysctls: map[string]int{}, mode: ModeIPTables},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

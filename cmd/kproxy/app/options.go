@@ -26,7 +26,11 @@ var Version = "v0.0.0-dev"
 const (
 	ModeIPTables = "iptables"
 	ModeIPVS     = "ipvs"
+	ModeNFTables = "nftables"
 )
+
+// modeList names the proxy modes, for errors.
+const modeList = ModeIPTables + ", " + ModeIPVS + " or " + ModeNFTables
 
 // Options are kproxy's flags, with kube-proxy's names and defaults where
 // kube-proxy has them.
@@ -99,13 +103,13 @@ func (o *Options) AddFlags(fs *pflag.FlagSet) {
 	fs.StringVar(&o.Kubeconfig, "kubeconfig", o.Kubeconfig, "Path to a kubeconfig file with authorization information (the in-cluster config is used when empty).")
 	fs.StringVar(&o.Master, "master", o.Master, "The address of the Kubernetes API server (overrides any value in kubeconfig).")
 	fs.StringVar(&o.HostnameOverride, "hostname-override", o.HostnameOverride, "If non-empty, use this string as the node name instead of the hostname.")
-	fs.StringVar(&o.ProxyMode, "proxy-mode", o.ProxyMode, "Which proxy mode to use: 'iptables' or 'ipvs' (needs the kernel's IPVS, ip_vs modules; kproxy never falls back to iptables).")
+	fs.StringVar(&o.ProxyMode, "proxy-mode", o.ProxyMode, "Which proxy mode to use: 'iptables', 'ipvs' (needs the kernel's IPVS, ip_vs modules) or 'nftables' (needs the nft command, v1.0.1 or later, and the kernel's nf_tables). kproxy never falls back to another mode.")
 	fs.BoolVar(&o.Cleanup, "cleanup", o.Cleanup, "If true, remove every rule kproxy created, for both IP families, and exit.")
 	fs.StringVar(&o.ClusterCIDR, "cluster-cidr", o.ClusterCIDR, "The CIDR range of pods in the cluster (comma-separated, one per family for dual-stack). Traffic to a ClusterIP from outside it is masqueraded.")
 	fs.BoolVar(&o.MasqueradeAll, "masquerade-all", o.MasqueradeAll, "SNAT all traffic sent via Service cluster IPs.")
-	fs.IntVar(&o.MasqueradeBit, "iptables-masquerade-bit", o.MasqueradeBit, "The bit of the fwmark space that marks packets requiring SNAT. Must be within [0, 31].")
-	fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "The maximum interval between rule syncs (e.g. '5s', '1m'). Must be greater than 0.")
-	fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The minimum interval between rule syncs as endpoints and services change (e.g. '5s', '1m'). 0 syncs at once.")
+	fs.IntVar(&o.MasqueradeBit, "iptables-masquerade-bit", o.MasqueradeBit, "The bit of the fwmark space that marks packets requiring SNAT, in every mode (a config file sets it in its iptables block, or its nftables block in nftables mode). Must be within [0, 31].")
+	fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "The maximum interval between rule syncs in iptables and nftables modes (e.g. '5s', '1m'). Must be greater than 0.")
+	fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The minimum interval between rule syncs in iptables and nftables modes as endpoints and services change (e.g. '5s', '1m'). 0 syncs at once.")
 	fs.StringVar(&o.BindAddress, "bind-address", o.BindAddress, "Overrides kproxy's idea of this node's primary IP (for its family; kproxy binds nothing to it, the name is kube-proxy's). '0.0.0.0' or '::': the Node object's first InternalIP (else ExternalIP) of each family.")
 	fs.StringSliceVar(&o.NodePortAddresses, "nodeport-addresses", o.NodePortAddresses, "A list of CIDR ranges and/or keywords selecting the node addresses that accept NodePort traffic (e.g. '10.0.0.0/8,fd00::/64' or 'primary'). Keywords: 'primary' (this node's primary IP of each family, see --bind-address), 'localhost' (127.0.0.0/8 and ::1/128) and 'all' (0.0.0.0/0 and ::/0). Each IP family reads only its own values: a family with none (the flag unset, or naming only the other family) serves NodePorts on every address. Loopback addresses never serve NodePorts, even when listed. NodePorts without endpoints are rejected on every local address.")
 	fs.DurationVar(&o.ConfigSyncPeriod, "config-sync-period", o.ConfigSyncPeriod, "How often informers resync from the API server. Must be greater than 0.")
@@ -136,9 +140,9 @@ func (o *Options) Validate() error {
 	var errs []error
 	switch o.ProxyMode {
 	case ModeIPTables, "":
-	case ModeIPVS:
+	case ModeIPVS, ModeNFTables:
 	default:
-		errs = append(errs, fmt.Errorf("--proxy-mode=%q is not a proxy mode; use iptables or ipvs", o.ProxyMode))
+		errs = append(errs, fmt.Errorf("--proxy-mode=%q is not a proxy mode; use %s", o.ProxyMode, modeList))
 	}
 	errs = append(errs, o.validateIPVS()...)
 	if o.MasqueradeBit < 0 || o.MasqueradeBit > 31 {
@@ -228,7 +232,8 @@ func (o *Options) ipvsExcludeCIDRs() ([]netip.Prefix, error) {
 }
 
 // syncPeriods are the engine's maximum and minimum sync intervals in the
-// chosen mode.
+// chosen mode: the --ipvs-* flags in IPVS mode, the --iptables-* ones in
+// iptables and nftables modes (as kube-proxy reads them).
 func (o *Options) syncPeriods() (sync, min time.Duration) {
 	if o.ProxyMode == ModeIPVS {
 		return o.IPVSSyncPeriod, o.IPVSMinSyncPeriod

@@ -36,6 +36,10 @@ func TestOptionsValidate(t *testing.T) {
 		{name: "empty proxy mode means the default", args: []string{"--proxy-mode="}},
 		{name: "iptables mode", args: []string{"--proxy-mode=iptables"}},
 		{name: "ipvs mode", args: []string{"--proxy-mode=ipvs"}},
+		{name: "nftables mode", args: []string{"--proxy-mode=nftables"}},
+		{name: "nftables mode with the masquerade and sync flags", args: []string{
+			"--proxy-mode=nftables", "--iptables-masquerade-bit=0", "--masquerade-all", "--iptables-sync-period=1m", "--iptables-min-sync-period=0",
+		}},
 		{name: "every ipvs flag", args: []string{
 			"--proxy-mode=ipvs", "--ipvs-scheduler=mh", "--ipvs-strict-arp", "--ipvs-tcp-timeout=900s", "--ipvs-tcpfin-timeout=2m",
 			"--ipvs-udp-timeout=0", "--ipvs-exclude-cidrs=10.0.0.0/8,fd00::/64", "--ipvs-sync-period=1m", "--ipvs-min-sync-period=1m",
@@ -62,7 +66,14 @@ func TestOptionsValidate(t *testing.T) {
 			"--config-sync-period=1m", "--service-proxy-name=p", "--iptables-restore-batch-chains=10",
 		}},
 
-		{name: "bogus proxy mode", args: []string{"--proxy-mode=bogus"}, wantErrs: []string{`--proxy-mode="bogus"`}},
+		{name: "bogus proxy mode", args: []string{"--proxy-mode=bogus"}, wantErrs: []string{`--proxy-mode="bogus"`, "use iptables, ipvs or nftables"}},
+		{name: "mode names are lower case", args: []string{"--proxy-mode=NFTables"}, wantErrs: []string{`--proxy-mode="NFTables" is not a proxy mode`}},
+		{name: "kernelspace mode", args: []string{"--proxy-mode=kernelspace"}, wantErrs: []string{`--proxy-mode="kernelspace" is not a proxy mode`}},
+		{
+			name:     "nftables mode: the sync flags are validated",
+			args:     []string{"--proxy-mode=nftables", "--iptables-min-sync-period=1m", "--iptables-sync-period=30s", "--iptables-masquerade-bit=32"},
+			wantErrs: []string{"--iptables-min-sync-period=1m0s must not exceed --iptables-sync-period=30s", "--iptables-masquerade-bit=32"},
+		},
 		{name: "bad ipvs scheduler", args: []string{"--proxy-mode=ipvs", "--ipvs-scheduler=fastest"}, wantErrs: []string{`--ipvs-scheduler="fastest"`, "rr, wrr"}},
 		{name: "ipvs timeout not in seconds", args: []string{"--ipvs-tcp-timeout=1500ms"}, wantErrs: []string{"--ipvs-tcp-timeout=1.5s", "whole number of seconds"}},
 		{name: "negative ipvs udp timeout", args: []string{"--ipvs-udp-timeout=-5s"}, wantErrs: []string{"--ipvs-udp-timeout=-5s"}},
@@ -233,6 +244,9 @@ func TestSyncPeriodsFollowTheMode(t *testing.T) {
 		{name: "ipvs mode", args: []string{"--proxy-mode=ipvs", "--iptables-sync-period=10s", "--ipvs-sync-period=20s", "--ipvs-min-sync-period=2s"},
 			wantSync: 20 * time.Second, wantMin: 2 * time.Second},
 		{name: "ipvs mode defaults", args: []string{"--proxy-mode=ipvs"}, wantSync: 30 * time.Second, wantMin: 0},
+		{name: "nftables mode reads the iptables flags, as kube-proxy", args: []string{"--proxy-mode=nftables", "--iptables-sync-period=10s", "--iptables-min-sync-period=3s", "--ipvs-sync-period=20s"},
+			wantSync: 10 * time.Second, wantMin: 3 * time.Second},
+		{name: "nftables mode defaults", args: []string{"--proxy-mode=nftables"}, wantSync: 30 * time.Second, wantMin: time.Second},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			sync, min := parseOptions(t, tc.args...).syncPeriods()

@@ -16,10 +16,14 @@ import (
 	metadatafake "k8s.io/client-go/metadata/fake"
 	"k8s.io/klog/v2/ktesting"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/knftables"
 
 	"github.com/kproxy/kproxy/pkg/conntrack"
+	"github.com/kproxy/kproxy/pkg/ipset"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
+	"github.com/kproxy/kproxy/pkg/ipvs"
+	"github.com/kproxy/kproxy/pkg/netlink"
 	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
@@ -45,6 +49,12 @@ type runHarness struct {
 	ipt    *iptablestest.Fake
 	sys    *conntrack.FakeSysctl
 	ct     *conntrack.Fake
+	// The IPVS and nftables state a mode starting up cleans (nft is bound
+	// to no table).
+	ipvs   *ipvs.Fake
+	sets   *ipset.Fake
+	nl     *netlink.Fake
+	nft    *knftables.Fake
 	cancel context.CancelFunc
 	done   chan error
 }
@@ -71,6 +81,10 @@ func startRunWith(t *testing.T, ct *conntrack.Fake, adjust func(*Options, *runDe
 			conntrack.SysctlTCPBeLiberal: 0, conntrack.SysctlUDPTimeout: 30, conntrack.SysctlUDPTimeoutStream: 120,
 		}),
 		ct:     ct,
+		ipvs:   ipvs.NewFake(),
+		sets:   ipset.NewFake(),
+		nl:     netlink.NewFake(),
+		nft:    knftables.NewFake("", ""),
 		cancel: cancel,
 		done:   make(chan error, 1),
 	}
@@ -84,6 +98,8 @@ func startRunWith(t *testing.T, ct *conntrack.Fake, adjust func(*Options, *runDe
 		sysctl:       h.sys,
 		moduleParams: conntrack.NewFakeSysctl(map[string]int{conntrack.ModuleParamHashSize: 65536}),
 		conntrack:    ct,
+		// No test touches the host's IPVS or nftables.
+		cleanupKernel: &kernelCleanup{ipvs: h.ipvs, ipset: h.sets, nl: h.nl, nft: h.nft},
 		// The test Nodes have no addresses: do not wait for them.
 		nodeIPTimeout: 10 * time.Millisecond,
 		// No other nodes' metadata, unless a test adjusts it.

@@ -21,6 +21,7 @@ import (
 	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
+	"sigs.k8s.io/knftables"
 
 	"github.com/kproxy/kproxy/config"
 	"github.com/kproxy/kproxy/pkg/conntrack"
@@ -52,8 +53,9 @@ func NewCommand(stdout io.Writer) *cobra.Command {
 		Use:   "kproxy",
 		Short: "kproxy: a Kubernetes node dataplane agent that replaces kube-proxy",
 		Long: `kproxy watches Services, EndpointSlices and Nodes and programs this node's
-kernel (iptables) so that every Service works: ClusterIP, NodePort, ExternalIPs,
-LoadBalancer, traffic policies, session affinity and topology-aware routing.`,
+kernel (iptables, IPVS or nftables) so that every Service works: ClusterIP,
+NodePort, ExternalIPs, LoadBalancer, traffic policies, session affinity and
+topology-aware routing.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		Args:          cobra.NoArgs,
@@ -110,16 +112,6 @@ func iptablesFor(ctx context.Context) (map[v1.IPFamily]ipt.Interface, error) {
 	return out, nil
 }
 
-// RunCleanup removes every rule kproxy created and returns.
-func RunCleanup(ctx context.Context, o *Options) error {
-	ipts, err := iptablesFor(ctx)
-	if err != nil {
-		return err
-	}
-	// Both modes' state, whichever mode the flags name (ipvsmode.go).
-	return cleanupAll(ctx, o, ipts)
-}
-
 // nodeName is --hostname-override or the hostname, lowercased as the
 // kubelet registers it.
 func nodeName(o *Options) (string, error) {
@@ -152,8 +144,15 @@ type runDeps struct {
 	// nodeIPTimeout bounds the wait for this node's Node object and its
 	// addresses; zero means defaultNodeIPTimeout.
 	nodeIPTimeout time.Duration
-	// localAddresses lists the host's addresses for the iptables backend.
+	// localAddresses lists the host's addresses for the iptables and
+	// nftables backends.
 	localAddresses func() ([]netip.Addr, error)
+	// nftables are nftables mode's interfaces, bound to kproxy's table of
+	// each family (nftablesmode.go).
+	nftables map[v1.IPFamily]knftables.Interface
+	// cleanupKernel stands for the kernel's IPVS and nftables state that a
+	// mode starting up removes (cleanup.go).
+	cleanupKernel *kernelCleanup
 }
 
 // run is Run with deps.
@@ -177,6 +176,14 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		}
 		defer ipvsK.close()
 	}
+	// Likewise nftables mode's (nftablesmode.go): the nft command and the
+	// kernel's nf_tables.
+	var nfts map[v1.IPFamily]knftables.Interface
+	if mode == ModeNFTables {
+		if nfts, err = nftablesFor(ctx, deps); err != nil {
+			return err
+		}
+	}
 	client, metadataClient := deps.client, deps.metadataClient
 	if client == nil {
 		restCfg, err := clientcmd.BuildConfigFromFlags(o.Master, o.Kubeconfig)
@@ -194,8 +201,20 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	ipts := deps.iptables
 	if ipts == nil {
 		if ipts, err = iptablesFor(ctx); err != nil {
-			return err
+			if mode != ModeNFTables {
+				return err
+			}
+			// nftables mode needs iptables only to remove the other
+			// modes' chains.
+			logger.Info("iptables is not usable; nftables mode runs without it", "err", err)
+			ipts = nil
 		}
+	}
+	// The families served: those with a usable iptables, or nftables in
+	// nftables mode.
+	families := sets.KeySet(ipts)
+	if mode == ModeNFTables {
+		families = sets.KeySet(nfts)
 	}
 	// Conntrack (conntrack.go): the sysctls once, and the table the
 	// engines delete stale UDP entries from.
@@ -221,14 +240,13 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		if npAddrs[fam], err = o.nodePortAddresses(fam, primaryIPs[fam]); err != nil {
 			return err
 		}
-		if _, ok := ipts[fam]; ok {
+		if families.Has(fam) {
 			logNodePortAddresses(logger, npAddrs[fam])
 		}
 	}
 	// route_localnet (localnet.go): kproxy never sets it, but guards
 	// against it when someone did.
 	routeLocalnet := checkRouteLocalnet(ctx, procSysctl(deps), mode)
-	cleanupOtherMode(ctx, o, ipts)
 
 	var allEngines []*proxier.Engine
 	m, err := metrics.New(metrics.Options{
@@ -238,6 +256,8 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	if err != nil {
 		return err
 	}
+	// The other modes' leftovers (cleanup.go).
+	cleanupOtherModes(ctx, o, mode, ipts, deps.cleanupKernel, m)
 	health, err := healthcheck.NewProxyHealthServer(healthcheck.ProxyHealthOptions{
 		BindAddress: o.HealthzBindAddress, HealthTimeout: 2 * syncPeriod, NodeName: name, Recorder: m,
 	})
@@ -258,14 +278,19 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	defer svcHealth.Close()
 
 	engines := map[v1.IPFamily]proxier.Proxier{}
-	for fam, i := range ipts {
-		np := npAddrs[fam]
+	for _, fam := range sets.List(families) {
+		i, np := ipts[fam], npAddrs[fam]
 		var backend proxier.Backend
-		if mode == ModeIPVS {
+		switch mode {
+		case ModeIPVS:
 			if backend, err = newIPVSBackend(o, ipvsK, i, np); err != nil {
 				return err
 			}
-		} else {
+		case ModeNFTables:
+			if backend, err = newNFTablesBackend(o, fam, nfts[fam], np, deps.localAddresses); err != nil {
+				return err
+			}
+		default:
 			bit := o.MasqueradeBit
 			b, err := iptbackend.New(iptbackend.Options{
 				IPTables: i, MasqueradeBit: &bit, NodePortAddresses: np, BatchChains: o.IPTablesBatchChain,
