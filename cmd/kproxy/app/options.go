@@ -111,7 +111,7 @@ func (o *Options) AddFlags(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.SyncPeriod, "iptables-sync-period", o.SyncPeriod, "The maximum interval between rule syncs in iptables and nftables modes (e.g. '5s', '1m'). Must be greater than 0.")
 	fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The minimum interval between rule syncs in iptables and nftables modes as endpoints and services change (e.g. '5s', '1m'). 0 syncs at once.")
 	fs.StringVar(&o.BindAddress, "bind-address", o.BindAddress, "Overrides kproxy's idea of this node's primary IP (for its family; kproxy binds nothing to it, the name is kube-proxy's). '0.0.0.0' or '::': the Node object's first InternalIP (else ExternalIP) of each family.")
-	fs.StringSliceVar(&o.NodePortAddresses, "nodeport-addresses", o.NodePortAddresses, "A list of CIDR ranges and/or keywords selecting the node addresses that accept NodePort traffic (e.g. '10.0.0.0/8,fd00::/64' or 'primary'). Keywords: 'primary' (this node's primary IP of each family, see --bind-address), 'localhost' (127.0.0.0/8 and ::1/128) and 'all' (0.0.0.0/0 and ::/0). Each IP family reads only its own values: a family with none (the flag unset, or naming only the other family) serves NodePorts on every address. Loopback addresses never serve NodePorts, even when listed. NodePorts without endpoints are rejected on every local address.")
+	fs.StringSliceVar(&o.NodePortAddresses, "nodeport-addresses", o.NodePortAddresses, "A list of CIDR ranges and/or keywords selecting the node addresses that accept NodePort traffic (e.g. '10.0.0.0/8,fd00::/64' or 'primary'). Keywords: 'primary' (this node's primary IP of each family, see --bind-address), 'localhost' (127.0.0.0/8 and ::1/128) and 'all' (0.0.0.0/0 and ::/0). Each IP family reads only its own values: a family with none (the flag unset, or naming only the other family) serves NodePorts on every address. Unset in nftables mode means 'primary', as in kube-proxy. Loopback addresses never serve NodePorts, even when listed. NodePorts without endpoints are rejected on every local address.")
 	fs.DurationVar(&o.ConfigSyncPeriod, "config-sync-period", o.ConfigSyncPeriod, "How often informers resync from the API server. Must be greater than 0.")
 	fs.StringVar(&o.ServiceProxyName, "service-proxy-name", o.ServiceProxyName, "Handle only Services labelled service.kubernetes.io/service-proxy-name=<name>. Empty: only Services without that label, like kube-proxy.")
 	fs.BoolVar(&o.ShowVersion, "version", o.ShowVersion, "Print the version and exit.")
@@ -283,7 +283,13 @@ func (o *Options) clusterCIDRs() (map[v1.IPFamily]netip.Prefix, error) {
 // nodePortAddresses reads --nodeport-addresses for family, with this
 // node's primary IP of that family (zero when unknown).
 func (o *Options) nodePortAddresses(family v1.IPFamily, nodeIP netip.Addr) (*proxy.NodePortAddresses, error) {
-	npa, err := proxy.NewNodePortAddresses(family, o.NodePortAddresses, nodeIP)
+	values := o.NodePortAddresses
+	if len(values) == 0 && o.ProxyMode == ModeNFTables {
+		// As kube-proxy's nftables mode: node ports default to the node's
+		// primary IPs (every address when a family's is unknown).
+		values = []string{proxy.NodePortAddressesPrimary}
+	}
+	npa, err := proxy.NewNodePortAddresses(family, values, nodeIP)
 	if err != nil {
 		return nil, fmt.Errorf("--nodeport-addresses: %w", err)
 	}

@@ -194,11 +194,22 @@ func TestClusterCIDRs(t *testing.T) {
 func TestNodePortAddressesPerFamily(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
+		mode   string
 		values []string
 		nodeIP map[v1.IPFamily]string
 		want   map[v1.IPFamily]string
 	}{
 		{name: "unset", want: map[v1.IPFamily]string{v1.IPv4Protocol: "IPv4: all", v1.IPv6Protocol: "IPv6: all"}},
+		{
+			name: "unset in nftables mode: primary", mode: ModeNFTables,
+			nodeIP: map[v1.IPFamily]string{v1.IPv4Protocol: "10.0.0.1"},
+			want:   map[v1.IPFamily]string{v1.IPv4Protocol: "IPv4: 10.0.0.1/32", v1.IPv6Protocol: "IPv6: all"},
+		},
+		{
+			name: "set in nftables mode: as given", mode: ModeNFTables, values: []string{"10.0.0.0/8"},
+			nodeIP: map[v1.IPFamily]string{v1.IPv4Protocol: "10.0.0.1"},
+			want:   map[v1.IPFamily]string{v1.IPv4Protocol: "IPv4: 10.0.0.0/8", v1.IPv6Protocol: "IPv6: all"},
+		},
 		{
 			name: "one family: the other one matches all", values: []string{"10.0.0.5/8", " ", "192.168.1.0/24"},
 			want: map[v1.IPFamily]string{v1.IPv4Protocol: "IPv4: 10.0.0.0/8,192.168.1.0/24", v1.IPv6Protocol: "IPv6: all"},
@@ -217,6 +228,9 @@ func TestNodePortAddressesPerFamily(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			o := NewOptions()
 			o.NodePortAddresses = tc.values
+			if tc.mode != "" {
+				o.ProxyMode = tc.mode
+			}
 			for fam, want := range tc.want {
 				var ip netip.Addr
 				if s, ok := tc.nodeIP[fam]; ok {
