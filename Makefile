@@ -39,7 +39,10 @@ unit:
 	$(GO) test -count=1 -timeout 20m -exec "$(CURDIR)/hack/ipvs-vm.sh" ./pkg/ipvs/ ./pkg/netlink/ ./proxier/ipvs/
 
 # The local cluster (test/LOCAL-CLUSTER.md): one cluster at a time on a
-# machine: -p 1, and the e2e suite takes /tmp/kpc-cluster.lock itself.
+# machine: -p 1, and the e2e suite takes /tmp/kpc-cluster.lock itself. The
+# suite runs once per proxy mode on one cluster, switching every node's
+# kproxy between rounds: KPROXY_E2E_MODES (default "iptables nftables");
+# a mode this kproxy or host cannot run is skipped, loudly.
 e2e: deps
 	@bin=$$(hack/build-control-plane.sh | tail -n 1) && cd test && \
 	  KPC_BIN_DIR="$$bin" $(GO) test -count=1 -p 1 -timeout 60m ./...

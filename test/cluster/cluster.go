@@ -36,7 +36,7 @@ var ErrNotUp = errors.New("no local cluster is up")
 var ErrAlreadyUp = errors.New("a local cluster is already up")
 
 // DefaultMode is kproxy's default --proxy-mode.
-const DefaultMode = "iptables"
+const DefaultMode = ModeIPTables
 
 // DefaultNodes is the default number of nodes.
 const DefaultNodes = 2
@@ -125,6 +125,9 @@ func Up(ctx context.Context, opts Options) (*Cluster, error) {
 	if err := validateNodes(opts.Nodes); err != nil {
 		return nil, err
 	}
+	if err := ValidateMode(opts.Mode); err != nil {
+		return nil, err
+	}
 	stateDir, err := filepath.Abs(opts.StateDir)
 	if err != nil {
 		return nil, fmt.Errorf("state directory: %w", err)
@@ -139,6 +142,11 @@ func Up(ctx context.Context, opts Options) (*Cluster, error) {
 	}
 	if os.Geteuid() != 0 {
 		return nil, errors.New("the local cluster needs root (network namespaces)")
+	}
+	// Before anything is made: a kproxy or host that cannot run the mode
+	// fails here, not after the control plane is up.
+	if err := ProbeMode(ctx, binDir, opts.Mode); err != nil {
+		return nil, fmt.Errorf("--proxy-mode=%s: %w", opts.Mode, err)
 	}
 	l := layout{stateDir}
 	if err := checkNotUp(l); err != nil {
@@ -221,12 +229,17 @@ func (c *Cluster) up(ctx context.Context) error {
 			return err
 		}
 	}
+	offsets := map[string]int64{}
 	for i := 1; i <= c.st.Nodes; i++ {
+		offsets[NodeName(i)] = fileSize(c.KproxyLog(NodeName(i)))
 		if err := c.startAll(ctx, c.agentLaunch(i), c.kproxyLaunch(i, nil)); err != nil {
 			return err
 		}
 	}
 	if err := c.waitAgents(ctx, heartbeat); err != nil {
+		return err
+	}
+	if err := c.waitKproxies(ctx, offsets); err != nil {
 		return err
 	}
 	if err := c.checkRunning(); err != nil {
@@ -428,7 +441,9 @@ func (c *Cluster) agentLaunch(i int) launch {
 
 func (c *Cluster) kproxyLaunch(i int, extra []string) launch {
 	name := progKproxy + "/" + NodeName(i)
+	c.mu.Lock()
 	args := kproxyArgs(c.l, i, c.st.Mode, append(slices.Clone(c.st.KproxyArgs), extra...))
+	c.mu.Unlock()
 	return launch{
 		Name: name, NetNS: NodeNetNS(i),
 		Argv: append([]string{c.bin(progKproxy)}, args...),
@@ -660,6 +675,29 @@ func writeAtomic(path string, data []byte) error {
 	return nil
 }
 
+// refreshLocked re-reads the pids and state files: another process with
+// this cluster loaded (the e2e suite's parent and its test processes, kpc
+// commands) may have started or stopped a kproxy since this one read them.
+func (c *Cluster) refreshLocked() error {
+	procs, err := readPids(c.l)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	data, err := os.ReadFile(c.l.stateFile())
+	if err != nil {
+		return fmt.Errorf("reading the cluster state: %w", err)
+	}
+	var st state
+	if err := json.Unmarshal(data, &st); err != nil {
+		return fmt.Errorf("parsing %s: %w", c.l.stateFile(), err)
+	}
+	if st.NodeKproxyArgs == nil {
+		st.NodeKproxyArgs = map[string][]string{}
+	}
+	c.procs, c.st = procs, st
+	return nil
+}
+
 func (c *Cluster) savePidsLocked() error { return writeAtomic(c.l.pidsFile(), formatPids(c.procs)) }
 
 func (c *Cluster) saveState() error {
@@ -682,8 +720,12 @@ func (c *Cluster) StateDir() string { return c.l.dir }
 // BinDir is the directory of the cluster's programs (kproxy included).
 func (c *Cluster) BinDir() string { return c.st.BinDir }
 
-// Mode is kproxy's --proxy-mode.
-func (c *Cluster) Mode() string { return c.st.Mode }
+// Mode is kproxy's --proxy-mode (SetMode changes it).
+func (c *Cluster) Mode() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.st.Mode
+}
 
 // Kubeconfig is the path of the admin kubeconfig usable from the host.
 func (c *Cluster) Kubeconfig() string { return c.l.hostKubeconfig() }
@@ -734,6 +776,10 @@ func (c *Cluster) StopKproxy(ctx context.Context, node string) error {
 	}
 	name := progKproxy + "/" + node
 	c.mu.Lock()
+	if err := c.refreshLocked(); err != nil {
+		c.mu.Unlock()
+		return err
+	}
 	var mine []process
 	for _, p := range c.procs {
 		if p.Name == name {
@@ -760,6 +806,10 @@ func (c *Cluster) StartKproxy(ctx context.Context, node string, extraArgs ...str
 	}
 	name := progKproxy + "/" + node
 	c.mu.Lock()
+	if err := c.refreshLocked(); err != nil {
+		c.mu.Unlock()
+		return err
+	}
 	for _, p := range c.procs {
 		if p.Name == name && p.alive() {
 			c.mu.Unlock()
@@ -903,8 +953,12 @@ func (s *Status) Healthy() bool {
 
 // Status reports the processes, the API server and the nodes.
 func (c *Cluster) Status(ctx context.Context) (*Status, error) {
-	s := &Status{StateDir: c.l.dir, Mode: c.st.Mode, Kubeconfig: c.Kubeconfig()}
 	c.mu.Lock()
+	if err := c.refreshLocked(); err != nil {
+		c.mu.Unlock()
+		return nil, err
+	}
+	s := &Status{StateDir: c.l.dir, Mode: c.st.Mode, Kubeconfig: c.Kubeconfig()}
 	for _, p := range c.procs {
 		s.Processes = append(s.Processes, ProcessStatus{Name: p.Name, PID: p.PID, Running: p.alive(), Log: c.l.logFile(p.Name)})
 	}

@@ -17,8 +17,9 @@ import (
 	"k8s.io/klog/v2/ktesting"
 )
 
-// TestUpDown brings a real two-node cluster up and down, twice. It needs
-// root and the programs of hack/build-control-plane.sh in $KPC_BIN_DIR.
+// TestUpDown brings a real two-node cluster up and down, twice, holding
+// LockPath meanwhile. It needs root and the programs of
+// hack/build-control-plane.sh in $KPC_BIN_DIR, and skips with -short.
 func TestUpDown(t *testing.T) {
 	binDir := os.Getenv("KPC_BIN_DIR")
 	if os.Geteuid() != 0 {
@@ -27,6 +28,14 @@ func TestUpDown(t *testing.T) {
 	if _, err := checkBinDir(binDir); err != nil {
 		t.Skipf("needs KPC_BIN_DIR with the cluster's programs: %v", err)
 	}
+	if testing.Short() {
+		t.Skip("brings up a real cluster; skipped with -short")
+	}
+	unlock, err := LockMachine(t.Logf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlock()
 	if netnsExists(ControlPlaneNetNS) {
 		if procs, _ := processesInNetNS([]string{ControlPlaneNetNS}); len(procs) > 0 {
 			t.Skip("a kpc cluster already runs on this machine")
@@ -120,6 +129,47 @@ func upDownOnce(t *testing.T, binDir string) {
 	}
 	if data, _ := os.ReadFile(loaded.KproxyLog("node-1")); strings.Count(string(data), "=== kpc: kproxy/node-1 starting") != 2 {
 		t.Errorf("kproxy log of node-1 does not show two starts")
+	}
+	// A mode switch (to the same mode: the only one every kproxy has)
+	// restarts kproxy on every node and waits for its sync. c has not
+	// seen loaded restart node-1's kproxy: it must stop that one anyway.
+	if err := c.SetMode(ctx, "userspace"); err == nil {
+		t.Errorf("SetMode(userspace) succeeded")
+	}
+	if err := c.SetMode(ctx, ModeIPTables); err != nil {
+		t.Errorf("SetMode(%s): %v", ModeIPTables, err)
+	}
+	for i := 1; i <= 2; i++ {
+		procs, err := processesInNetNS([]string{NodeNetNS(i)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for _, p := range procs {
+			if strings.HasSuffix(p.Name, ":kproxy") {
+				n++
+			}
+		}
+		if n != 1 {
+			t.Errorf("%d kproxy processes in %s after SetMode, want 1: %v", n, NodeNetNS(i), procs)
+		}
+	}
+	for _, node := range loaded.NodeNames() {
+		want := 2
+		if node == "node-1" {
+			want = 3
+		}
+		if data, _ := os.ReadFile(loaded.KproxyLog(node)); strings.Count(string(data), "=== kpc: kproxy/"+node+" starting") != want {
+			t.Errorf("kproxy log of %s does not show %d starts after SetMode", node, want)
+		}
+	}
+	if again, err := Load(stateDir); err != nil {
+		t.Errorf("Load after SetMode: %v", err)
+	} else if again.Mode() != ModeIPTables {
+		t.Errorf("Load after SetMode: mode %q, want %s", again.Mode(), ModeIPTables)
+	}
+	if s, err := loaded.Status(ctx); err != nil || !s.Healthy() {
+		t.Errorf("status after SetMode: %+v, %v", s, err)
 	}
 
 	// What Down must remove.

@@ -122,6 +122,7 @@ func describe(obj *unstructured.Unstructured) string {
 // DaemonSet as the server returned it, and that the RBAC rules grant
 // kproxy's ServiceAccount what kproxy does, and no more.
 func TestDeployManifestsDryRun(t *testing.T) {
+	runsOnce(t)
 	if skipReason != "" {
 		t.Skip(skipReason)
 	}
@@ -424,7 +425,9 @@ func (e *env) getInNetNS(from, addr, path string) (int, string, error) {
 // warning, serve metrics on the file's port (and not on the default one),
 // and route Services as before. The cluster's own flags (--kubeconfig,
 // --cluster-cidr, --proxy-mode) stay and override the file.
-func TestKproxyConfigFile(t *testing.T) {
+func TestKproxyConfigFile(t *testing.T) { inMode(t, testKproxyConfigFile) }
+
+func testKproxyConfigFile(t *testing.T) {
 	const (
 		node        = 2
 		filePort    = "10349"

@@ -94,6 +94,9 @@ func newEnv(t *testing.T) *env {
 	if suiteCluster == nil {
 		t.Fatal("no cluster: the suite's TestMain did not bring one up")
 	}
+	if !underMode(t.Name()) {
+		t.Fatalf("%s uses the cluster's kproxy, so it runs in every mode: call it as inMode(t, test) (modes_test.go)", t.Name())
+	}
 	e := &env{
 		t: t, ctx: t.Context(), c: suiteCluster, k: suiteCluster.Client(),
 		ns:    namespaceName(t.Name()),
@@ -134,36 +137,33 @@ func namespaceName(test string) string {
 // nodeName is cluster.NodeName, for brevity.
 func nodeName(i int) string { return cluster.NodeName(i) }
 
-// fatalf fails the test with the tails of every kproxy log and the
-// iptables rules of this test's namespace on every node.
+// fatalf fails the test with the tails of every kproxy log and kproxy's
+// rules of this test's namespace on every node.
 func (e *env) fatalf(format string, args ...any) {
 	e.t.Helper()
 	e.t.Fatalf("%s\n%s", fmt.Sprintf(format, args...), e.diagnostics())
 }
 
-// diagnostics quotes the end of each kproxy log and the iptables rules
-// that mention this test's namespace, per node.
+// diagnostics quotes the mode, the end of each kproxy log and kproxy's
+// rules (kproxyRules) that mention this test's namespace, per node.
 func (e *env) diagnostics() string {
 	var b strings.Builder
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	mode := e.c.Mode()
+	fmt.Fprintf(&b, "--- kproxy mode: %s\n", mode)
 	for _, node := range e.c.NodeNames() {
 		fmt.Fprintf(&b, "--- %s: end of %s\n%s", node, e.c.KproxyLog(node), tailFile(e.c.KproxyLog(node), logTailLines))
-		out, err := e.c.Exec(ctx, node, "iptables-save")
+		lines, err := e.kproxyRules(ctx, node)
 		if err != nil {
-			fmt.Fprintf(&b, "--- %s: iptables-save: %v\n", node, err)
+			fmt.Fprintf(&b, "--- %s: %v\n", node, err)
 			continue
 		}
-		var rules []string
-		for line := range strings.SplitSeq(out, "\n") {
-			if strings.Contains(line, e.ns+"/") {
-				rules = append(rules, line)
-			}
-		}
+		rules := mentions(lines, e.ns)
 		if len(rules) > 60 {
 			rules = append(rules[:60], fmt.Sprintf("... (%d more)", len(rules)-60))
 		}
-		fmt.Fprintf(&b, "--- %s: iptables-save rules mentioning %s/ (%d)\n%s\n", node, e.ns, len(rules), strings.Join(rules, "\n"))
+		fmt.Fprintf(&b, "--- %s: %s rules mentioning %s/ (%d of %d lines)\n%s\n", node, mode, e.ns, len(rules), len(lines), strings.Join(rules, "\n"))
 	}
 	return b.String()
 }

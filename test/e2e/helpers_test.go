@@ -15,6 +15,7 @@ import (
 // The suite's own helpers; these run without a cluster (and without root).
 
 func TestPercentile(t *testing.T) {
+	runsOnce(t)
 	ms := func(ns ...int) []time.Duration {
 		var out []time.Duration
 		for _, n := range ns {
@@ -49,6 +50,7 @@ func TestPercentile(t *testing.T) {
 }
 
 func TestParseReply(t *testing.T) {
+	runsOnce(t)
 	cases := []struct {
 		name    string
 		in      string
@@ -71,6 +73,7 @@ func TestParseReply(t *testing.T) {
 }
 
 func TestNamespaceName(t *testing.T) {
+	runsOnce(t)
 	label := regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
 	cases := []struct {
 		name, test, prefix string
@@ -93,6 +96,7 @@ func TestNamespaceName(t *testing.T) {
 }
 
 func TestExpectCheck(t *testing.T) {
+	runsOnce(t)
 	s := samples{replies: []reply{
 		{Pod: "a", Source: netip.MustParseAddr("10.0.0.1")},
 		{Pod: "b", Source: netip.MustParseAddr("10.0.0.1")},
@@ -126,6 +130,7 @@ func TestExpectCheck(t *testing.T) {
 }
 
 func TestChildArgs(t *testing.T) {
+	runsOnce(t)
 	args := []string{"-test.v=true", "-test.timeout=30m0s"}
 	cases := []struct {
 		name             string
@@ -148,6 +153,7 @@ func TestChildArgs(t *testing.T) {
 }
 
 func TestMetricValue(t *testing.T) {
+	runsOnce(t)
 	const exposition = `# HELP kubeproxy_sync_proxy_rules_last_timestamp_seconds The last time proxy rules were successfully synced
 # TYPE kubeproxy_sync_proxy_rules_last_timestamp_seconds gauge
 kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family="IPv4"} 1.7e+09
@@ -184,6 +190,7 @@ kproxy_build_info{mode="iptables",version="v1 \"dev\", x"} 1
 }
 
 func TestParseProxyHealth(t *testing.T) {
+	runsOnce(t)
 	cases := []struct {
 		name         string
 		body         string
@@ -212,6 +219,7 @@ func TestParseProxyHealth(t *testing.T) {
 }
 
 func TestParseServiceHealth(t *testing.T) {
+	runsOnce(t)
 	cases := []struct {
 		name      string
 		body      string
@@ -235,6 +243,7 @@ func TestParseServiceHealth(t *testing.T) {
 }
 
 func TestKproxyLogSynced(t *testing.T) {
+	runsOnce(t)
 	const earlier = `I1 "Starting kproxy" node="node-1"` + "\n" + `I2 "Synced" full=true` + "\n"
 	cases := []struct {
 		name    string
@@ -258,6 +267,7 @@ func TestKproxyLogSynced(t *testing.T) {
 }
 
 func TestEventCounts(t *testing.T) {
+	runsOnce(t)
 	ev := func(host string, count int32) v1.Event {
 		return v1.Event{Source: v1.EventSource{Component: "kproxy", Host: host}, Count: count}
 	}

@@ -18,8 +18,12 @@ import (
 
 const (
 	// latencyChanges is how many changes TestNetworkProgrammingLatency
-	// measures, alternating between its two kinds.
+	// measures, alternating between its two kinds, when it writes its
+	// summary ($KPC_LATENCY_OUT: make bench).
 	latencyChanges = 50
+	// latencySmokeChanges is how many it makes otherwise: every change
+	// must still work, in every mode, without two minutes per round.
+	latencySmokeChanges = 10
 	// latencyPoll is how often a new probe starts.
 	latencyPoll = 10 * time.Millisecond
 	// latencyProbeTimeout bounds one probe; probes overlap, so a probe
@@ -41,6 +45,7 @@ const (
 
 // latencySummary is what KPC_LATENCY_OUT receives.
 type latencySummary struct {
+	Mode    string                 `json:"mode"`
 	Changes int                    `json:"changes"`
 	P50ms   float64                `json:"p50_ms"`
 	P99ms   float64                `json:"p99_ms"`
@@ -71,19 +76,28 @@ func ms(d time.Duration) float64 { return math.Round(float64(d)/float64(time.Mic
 
 // TestNetworkProgrammingLatency measures the time from an API change to
 // the first request kproxy carries because of it, over latencyChanges
+// (latencySmokeChanges unless $KPC_LATENCY_OUT asks for the numbers)
 // changes of two kinds, alternately: a new Service for pods already
 // running, and a Deployment scaled from 0 to 1 behind an existing Service
 // (which includes starting the pod). It reports p50 and p99 and writes them
-// as JSON to $KPC_LATENCY_OUT when set. It asserts no timing, only that
-// every change works within latencyLimit.
-func TestNetworkProgrammingLatency(t *testing.T) {
+// as JSON to $KPC_LATENCY_OUT when set (a file per mode when the run has
+// several: latencyOutPath). It asserts no timing, only that every change
+// works within latencyLimit.
+func TestNetworkProgrammingLatency(t *testing.T) { inMode(t, testNetworkProgrammingLatency) }
+
+func testNetworkProgrammingLatency(t *testing.T) {
 	e := newEnv(t)
+	out := os.Getenv("KPC_LATENCY_OUT")
+	changes := latencySmokeChanges
+	if out != "" {
+		changes = latencyChanges
+	}
 	e.deploy(workload{name: "web", replicas: 2})
 	from, _ := e.clientPod("client", nodeName(2))
 	// One Deployment at 0 replicas, behind its own Service, per endpoint
 	// change: none waits for another's pod to go away.
 	var scaled []string
-	for i := 1; i < latencyChanges; i += 2 {
+	for i := 1; i < changes; i += 2 {
 		name := fmt.Sprintf("scaled-%d", i)
 		e.deploy(workload{name: name, replicas: 0})
 		svc := e.createService(name, map[string]string{"app": name})
@@ -91,7 +105,7 @@ func TestNetworkProgrammingLatency(t *testing.T) {
 	}
 
 	byKind := map[string][]time.Duration{}
-	for i := range latencyChanges {
+	for i := range changes {
 		var kind, addr string
 		var began time.Time
 		if i%2 == 0 {
@@ -123,13 +137,15 @@ func TestNetworkProgrammingLatency(t *testing.T) {
 	}
 
 	sum := summarize(byKind)
-	t.Logf("network programming latency over %d changes: p50 %.1f ms, p99 %.1f ms (min %.1f, max %.1f)",
-		sum.Changes, sum.P50ms, sum.P99ms, sum.MinMs, sum.MaxMs)
+	sum.Mode = e.c.Mode()
+	t.Logf("%s mode: network programming latency over %d changes: p50 %.1f ms, p99 %.1f ms (min %.1f, max %.1f)",
+		sum.Mode, sum.Changes, sum.P50ms, sum.P99ms, sum.MinMs, sum.MaxMs)
 	for _, kind := range []string{changeService, changeEndpoint} {
 		k := sum.ByKind[kind]
 		t.Logf("  %-12s %2d changes: p50 %.1f ms, p99 %.1f ms, max %.1f ms", kind, k.Changes, k.P50ms, k.P99ms, k.MaxMs)
 	}
-	if out := os.Getenv("KPC_LATENCY_OUT"); out != "" {
+	if out != "" {
+		out = latencyOutPath(out, sum.Mode, thisRound.modes)
 		data, err := json.MarshalIndent(sum, "", "  ")
 		if err != nil {
 			t.Fatal(err)

@@ -31,7 +31,9 @@ func endpointOf(eps []discoveryv1.Endpoint, pod string) (discoveryv1.Endpoint, b
 // TestNotReadyAndTerminating: a not-ready pod gets no traffic; a pod
 // being deleted gets no new traffic while ready endpoints remain; when
 // every endpoint is terminating, the serving ones still answer.
-func TestNotReadyAndTerminating(t *testing.T) {
+func TestNotReadyAndTerminating(t *testing.T) { inMode(t, testNotReadyAndTerminating) }
+
+func testNotReadyAndTerminating(t *testing.T) {
 	e := newEnv(t)
 	sel := map[string]string{"app": "web"}
 	pods := e.deploy(workload{name: "web", replicas: 3, graceSeconds: 30})
@@ -144,6 +146,36 @@ func (e *env) kproxySynced(node string, offset int64) {
 	})
 }
 
+// kproxyLeftovers lists what kproxy left on node of every mode's state:
+// iptables and ip6tables rules and chains naming kproxy, and nftables
+// tables named like kproxy.
+func (e *env) kproxyLeftovers(node string) []string {
+	e.t.Helper()
+	var left []string
+	for _, save := range []string{"iptables-save", "ip6tables-save"} {
+		if _, err := exec.LookPath(save); err != nil {
+			continue
+		}
+		rules, err := e.c.Exec(e.ctx, node, save)
+		if err != nil {
+			e.fatalf("%s on %s: %v", save, node, err)
+		}
+		for line := range strings.SplitSeq(rules, "\n") {
+			if strings.Contains(strings.ToLower(line), "kproxy") {
+				left = append(left, save+": "+line)
+			}
+		}
+	}
+	tables, err := e.nftKproxyTables(e.ctx, node)
+	if err != nil {
+		e.fatalf("%v", err)
+	}
+	for _, tbl := range tables {
+		left = append(left, "nft: "+tbl)
+	}
+	return left
+}
+
 func logSize(path string) int64 {
 	fi, err := os.Stat(path)
 	if err != nil {
@@ -197,7 +229,9 @@ func (s *stream) run(e *env, interval time.Duration, limit int, stop <-chan stru
 // TestKproxyRestartUnderTraffic: restarting kproxy on every node, one
 // after the other, fails none of a steady flow of requests to a ClusterIP
 // (from a pod) and a NodePort (from the external client).
-func TestKproxyRestartUnderTraffic(t *testing.T) {
+func TestKproxyRestartUnderTraffic(t *testing.T) { inMode(t, testKproxyRestartUnderTraffic) }
+
+func testKproxyRestartUnderTraffic(t *testing.T) {
 	const (
 		interval    = 20 * time.Millisecond
 		maxRequests = 6000 // two minutes at most
@@ -267,9 +301,11 @@ func TestKproxyRestartUnderTraffic(t *testing.T) {
 }
 
 // TestCleanup: `kproxy --cleanup`, run twice on a node whose kproxy is
-// stopped, leaves no kproxy rule in its iptables; a new kproxy there
-// serves again.
-func TestCleanup(t *testing.T) {
+// stopped, leaves no kproxy rule in its iptables and no kproxy table in its
+// nftables, whatever the mode; a new kproxy there serves again.
+func TestCleanup(t *testing.T) { inMode(t, testCleanup) }
+
+func testCleanup(t *testing.T) {
 	const node = 3
 	e := newEnv(t)
 	pods := e.deploy(workload{name: "web", replicas: 2})
@@ -309,23 +345,8 @@ func TestCleanup(t *testing.T) {
 			e.fatalf("kproxy --cleanup (round %d) on %s: %v\n%s", round, nodeName(node), err, out)
 		}
 		t.Logf("kproxy --cleanup, round %d:\n%s", round, strings.TrimSpace(string(out)))
-		for _, save := range []string{"iptables-save", "ip6tables-save"} {
-			if _, err := exec.LookPath(save); err != nil {
-				continue
-			}
-			rules, err := e.c.Exec(e.ctx, nodeName(node), save)
-			if err != nil {
-				e.fatalf("%s on %s: %v", save, nodeName(node), err)
-			}
-			var left []string
-			for line := range strings.SplitSeq(rules, "\n") {
-				if strings.Contains(strings.ToLower(line), "kproxy") {
-					left = append(left, line)
-				}
-			}
-			if len(left) > 0 {
-				e.fatalf("%s on %s after cleanup round %d still has kproxy rules:\n%s", save, nodeName(node), round, strings.Join(left, "\n"))
-			}
+		if left := e.kproxyLeftovers(nodeName(node)); len(left) > 0 {
+			e.fatalf("%s after cleanup round %d still has kproxy state:\n%s", nodeName(node), round, strings.Join(left, "\n"))
 		}
 	}
 	// No rules: the NodePort is a closed port on node-3.

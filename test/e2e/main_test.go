@@ -1,32 +1,26 @@
 package e2e
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kproxy/kproxy/test/cluster"
 )
 
 const (
-	// lockPath serialises every local cluster on the machine (make demo,
-	// this suite).
-	lockPath = "/tmp/kpc-cluster.lock"
 	// childEnv names the running cluster's state directory in the child
 	// test process; its absence marks the supervising parent.
 	childEnv = "KPC_E2E_STATE"
@@ -60,7 +54,12 @@ func runMain(m *testing.M) int {
 			fmt.Fprintf(os.Stderr, "e2e: loading the suite's cluster: %v\n", err)
 			return 1
 		}
-		suiteCluster = c
+		r, err := parseRoundEnv(os.Getenv(roundEnv), os.Getenv(onceEnv), os.Getenv(runModesEnv))
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "e2e: %v\n", err)
+			return 1
+		}
+		suiteCluster, thisRound = c, r
 		return m.Run()
 	}
 	switch {
@@ -85,11 +84,53 @@ func flagSet(name string) bool {
 	return f != nil && f.Value.String() != ""
 }
 
-// supervise takes the lock, brings the cluster up, runs the tests in a
-// child process and takes the cluster down however the child ended.
+// sigCause cancels the suite's context when a signal arrives.
+type sigCause struct{ sig os.Signal }
+
+func (s sigCause) Error() string { return "interrupted by " + s.sig.String() }
+
+// interruptible returns a context that the first SIGINT, SIGTERM or SIGHUP
+// cancels (with a sigCause), and its release. From then on a signal no
+// longer ends the process: the suite stops what runs and takes the cluster
+// down first.
+func interruptible() (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
+	done := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case sig := <-sigs:
+				fmt.Fprintf(os.Stderr, "e2e: %v: stopping the tests, then the cluster\n", sig)
+				cancel(sigCause{sig})
+			case <-done:
+				return
+			}
+		}
+	}()
+	return ctx, func() {
+		signal.Stop(sigs)
+		close(done)
+		cancel(nil)
+	}
+}
+
+// supervise takes the lock, probes the modes, brings the cluster up in the
+// first mode that can run, runs the tests once per mode of
+// $KPROXY_E2E_MODES in a child process each (switching kproxy's mode on
+// every node between rounds), and takes the cluster down however the
+// rounds ended.
 func supervise() (code int) {
 	began := time.Now()
-	unlock, err := lockClusters()
+	modes, err := parseModes(os.Getenv(modesEnv))
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "e2e: %v\n", err)
+		return 1
+	}
+	unlock, err := cluster.LockMachine(func(format string, args ...any) {
+		fmt.Fprintf(os.Stderr, "e2e: "+format, args...)
+	})
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "e2e: %v\n", err)
 		return 1
@@ -105,25 +146,34 @@ func supervise() (code int) {
 	if stateDir == "" {
 		stateDir = "/run/kpc-e2e"
 	}
+	ctx, release := interruptible()
+	defer release()
 
-	// From here on a signal must not end the process before the cluster
-	// is down: it aborts Up, or stops the child.
-	sigs := make(chan os.Signal, 4)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
-	defer signal.Stop(sigs)
-	upCtx, cancelUp := context.WithTimeout(context.Background(), upTimeout)
-	defer cancelUp()
-	go func() {
-		select {
-		case sig := <-sigs:
-			fmt.Fprintf(os.Stderr, "e2e: %v while bringing the cluster up; aborting\n", sig)
-			cancelUp()
-		case <-upCtx.Done():
+	rounds := planRounds(ctx, modes, func(ctx context.Context, mode string) error {
+		return cluster.ProbeMode(ctx, binDir, mode)
+	})
+	defer func() {
+		text, ok := summary(rounds)
+		fmt.Fprintf(os.Stderr, "e2e: ===== rounds (%s=%q) =====\n%s", modesEnv, strings.Join(modes, " "), text)
+		if !ok && code == 0 {
+			code = 1
 		}
 	}()
-	fmt.Fprintf(os.Stderr, "e2e: bringing up a %d-node cluster (state %s, programs %s)\n", suiteNodes, stateDir, binDir)
-	c, err := cluster.Up(upCtx, cluster.Options{Nodes: suiteNodes, StateDir: stateDir, BinDir: binDir})
-	interrupted := upCtx.Err() != nil && errors.Is(context.Cause(upCtx), context.Canceled)
+	for _, r := range rounds {
+		if r.skip != nil {
+			loudSkip(r)
+		}
+	}
+	run := runnable(rounds)
+	if len(run) == 0 {
+		fmt.Fprintf(os.Stderr, "e2e: no mode of %s=%q can run here: nothing to test\n", modesEnv, strings.Join(modes, " "))
+		return 1
+	}
+
+	upCtx, cancelUp := context.WithTimeout(ctx, upTimeout)
+	defer cancelUp()
+	fmt.Fprintf(os.Stderr, "e2e: bringing up a %d-node cluster in mode %s (state %s, programs %s)\n", suiteNodes, run[0].mode, stateDir, binDir)
+	c, err := cluster.Up(upCtx, cluster.Options{Nodes: suiteNodes, Mode: run[0].mode, StateDir: stateDir, BinDir: binDir})
 	cancelUp()
 	if errors.Is(err, cluster.ErrAlreadyUp) {
 		fmt.Fprintf(os.Stderr, "e2e: %v\ne2e: another local cluster runs (`make demo` leaves one up: `make demo-down` removes it)\n", err)
@@ -138,12 +188,12 @@ func supervise() (code int) {
 		if derr := cluster.Down(context.Background(), stateDir); derr != nil {
 			fmt.Fprintf(os.Stderr, "e2e: removing what the failed Up left: %v\n", derr)
 		}
+		run[0].err = fmt.Errorf("bringing the cluster up: %w", err)
 		return 1
 	}
-	upTook := time.Since(began)
-	fmt.Fprintf(os.Stderr, "e2e: cluster up in %s\n", upTook.Round(100*time.Millisecond))
+	fmt.Fprintf(os.Stderr, "e2e: cluster up in %s\n", time.Since(began).Round(100*time.Millisecond))
 	defer func() {
-		if code != 0 {
+		if code != 0 || slices.ContainsFunc(rounds, func(r *round) bool { return r.err != nil }) {
 			keepLogs(filepath.Dir(c.Log("etcd")))
 		}
 		downBegan := time.Now()
@@ -155,43 +205,92 @@ func supervise() (code int) {
 		fmt.Fprintf(os.Stderr, "e2e: cluster down in %s; suite wall time %s\n",
 			time.Since(downBegan).Round(100*time.Millisecond), time.Since(began).Round(time.Second))
 	}()
-	if interrupted {
-		return 1
+
+	runModes := roundModes(run)
+	for i, r := range run {
+		if ctx.Err() != nil {
+			r.err = fmt.Errorf("not run: %w", context.Cause(ctx))
+			continue
+		}
+		if left := testTimeout() - time.Since(began); testTimeout() > 0 && left < minRoundTime {
+			r.err = fmt.Errorf("not run: %s of -timeout left", left.Round(time.Second))
+			continue
+		}
+		switched := ""
+		if i > 0 {
+			// Even to the same mode: a round always starts from a kproxy
+			// that just started, as the first round does.
+			switchBegan := time.Now()
+			fmt.Fprintf(os.Stderr, "e2e: switching kproxy on every node from %s to %s\n", c.Mode(), r.mode)
+			if err := c.SetMode(ctx, r.mode); err != nil {
+				r.err = fmt.Errorf("switching kproxy to --proxy-mode=%s: %w", r.mode, err)
+				fmt.Fprintf(os.Stderr, "e2e: round %d/%d mode=%s: %v\n", i+1, len(run), r.mode, r.err)
+				continue
+			}
+			switched = fmt.Sprintf(" (switched in %s)", time.Since(switchBegan).Round(100*time.Millisecond))
+		}
+		fmt.Fprintf(os.Stderr, "e2e: ===== round %d/%d: mode=%s: kproxy --proxy-mode=%s on %s%s =====\n",
+			i+1, len(run), r.mode, r.mode, strings.Join(c.NodeNames(), ", "), switched)
+		env := []string{
+			childEnv + "=" + c.StateDir(),
+			fmt.Sprintf("%s=%d/%d", roundEnv, i+1, len(run)),
+			fmt.Sprintf("%s=%t", onceEnv, i == 0),
+			runModesEnv + "=" + strings.Join(runModes, " "),
+		}
+		runRound(ctx, r, env, began)
 	}
+	return 0
+}
+
+// runRound runs the tests in a child process with env added, records the
+// outcome in r, and forwards a signal that cancels ctx to the child.
+func runRound(ctx context.Context, r *round, env []string, began time.Time) {
 	args, err := childArgs(os.Args[1:], testTimeout(), time.Since(began))
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "e2e: %v\n", err)
-		return 1
+		r.err = err
+		return
 	}
+	roundBegan := time.Now()
+	failures := &failureScanner{}
 	child := exec.Command(os.Args[0], args...)
-	child.Env = append(os.Environ(), childEnv+"="+c.StateDir())
-	child.Stdin, child.Stdout, child.Stderr = nil, os.Stdout, os.Stderr
+	child.Env = append(os.Environ(), env...)
+	child.Stdin, child.Stdout, child.Stderr = nil, io.MultiWriter(os.Stdout, failures), os.Stderr
 	if err := child.Start(); err != nil {
-		fmt.Fprintf(os.Stderr, "e2e: starting the tests: %v\n", err)
-		return 1
+		r.err = fmt.Errorf("starting the tests: %w", err)
+		return
 	}
+	r.ran = true
 	done := make(chan error, 1)
 	go func() { done <- child.Wait() }()
+	stop := ctx.Done()
 	for {
 		select {
-		case sig := <-sigs:
-			fmt.Fprintf(os.Stderr, "e2e: %v: stopping the tests, then the cluster\n", sig)
+		case <-stop:
+			stop = nil
+			var sc sigCause
+			sig := os.Signal(syscall.SIGTERM)
+			if errors.As(context.Cause(ctx), &sc) {
+				sig = sc.sig
+			}
 			_ = child.Process.Signal(sig)
 			go func() {
 				time.Sleep(childStopGrace)
 				_ = child.Process.Kill()
 			}()
 		case err := <-done:
+			r.took = time.Since(roundBegan)
+			r.failed = failures.names
 			var ee *exec.ExitError
 			switch {
+			case err == nil && ctx.Err() == nil:
 			case err == nil:
-				return 0
+				r.err = fmt.Errorf("interrupted: %w", context.Cause(ctx))
 			case errors.As(err, &ee) && ee.ExitCode() > 0:
-				return ee.ExitCode()
+				r.err = fmt.Errorf("the tests failed (exit code %d)", ee.ExitCode())
 			default:
-				fmt.Fprintf(os.Stderr, "e2e: the tests ended abnormally: %v\n", err)
-				return 1
+				r.err = fmt.Errorf("the tests ended abnormally: %w", err)
 			}
+			return
 		}
 	}
 }
@@ -256,83 +355,4 @@ func findBinDir() (string, error) {
 	}
 	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
 	return strings.TrimSpace(lines[len(lines)-1]), nil
-}
-
-// lockClusters takes lockPath exclusively and returns its release. When a
-// process this one descends from already holds it (the suite run as
-// `flock /tmp/kpc-cluster.lock go test ...`), that lock covers this run.
-// Otherwise it waits for the holder.
-func lockClusters() (func(), error) {
-	f, err := os.OpenFile(lockPath, os.O_RDWR|os.O_CREATE, 0o644)
-	if err != nil {
-		return nil, fmt.Errorf("opening %s: %w", lockPath, err)
-	}
-	release := func() { _ = f.Close() }
-	err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-	if err == nil {
-		return release, nil
-	}
-	if !errors.Is(err, unix.EWOULDBLOCK) {
-		release()
-		return nil, fmt.Errorf("locking %s: %w", lockPath, err)
-	}
-	holder, _ := lockHolder(f)
-	if holder > 0 && isAncestor(holder) {
-		fmt.Fprintf(os.Stderr, "e2e: %s is held by pid %d, an ancestor of this test\n", lockPath, holder)
-		return release, nil
-	}
-	fmt.Fprintf(os.Stderr, "e2e: waiting for %s (held by pid %d: another local cluster run)\n", lockPath, holder)
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
-		release()
-		return nil, fmt.Errorf("locking %s: %w", lockPath, err)
-	}
-	return release, nil
-}
-
-// lockHolder finds the pid holding a flock on f in /proc/locks.
-func lockHolder(f *os.File) (int, error) {
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return 0, err
-	}
-	id := fmt.Sprintf("%02x:%02x:%d", unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino)
-	data, err := os.ReadFile("/proc/locks")
-	if err != nil {
-		return 0, err
-	}
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	for sc.Scan() {
-		// "3: FLOCK  ADVISORY  WRITE 14939 fe:00:9773225 0 EOF"
-		fields := strings.Fields(sc.Text())
-		if len(fields) >= 6 && fields[1] == "FLOCK" && fields[5] == id {
-			return strconv.Atoi(fields[4])
-		}
-	}
-	return 0, sc.Err()
-}
-
-// isAncestor reports whether pid is this process's parent, grandparent...
-func isAncestor(pid int) bool {
-	for p := os.Getppid(); p > 1; {
-		if p == pid {
-			return true
-		}
-		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p))
-		if err != nil {
-			return false
-		}
-		// The parent is the second field after the parenthesised command.
-		i := bytes.LastIndexByte(data, ')')
-		if i < 0 {
-			return false
-		}
-		fields := strings.Fields(string(data[i+1:]))
-		if len(fields) < 2 {
-			return false
-		}
-		if p, err = strconv.Atoi(fields[1]); err != nil {
-			return false
-		}
-	}
-	return false
 }

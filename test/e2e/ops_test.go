@@ -295,7 +295,9 @@ func (e *env) setNodeTaint(node, key string, add bool) error {
 // restarted one answers again; while the node is tainted
 // ToBeDeletedByClusterAutoscaler /healthz is 503 (nodeEligible false) and
 // /livez stays 200.
-func TestHealthz(t *testing.T) {
+func TestHealthz(t *testing.T) { inMode(t, testHealthz) }
+
+func testHealthz(t *testing.T) {
 	const node = 2
 	e := newEnv(t)
 	addrOf := func(i int) string { return hostPort(cluster.NodeIP(i), healthzPort) }
@@ -405,7 +407,9 @@ func parseServiceHealth(body []byte) (serviceHealth, error) {
 // the API server allocated, on every node: 200 with the local endpoint count
 // where its pods run, 503 with 0 elsewhere; deleting the Service closes
 // the port.
-func TestHealthCheckNodePort(t *testing.T) {
+func TestHealthCheckNodePort(t *testing.T) { inMode(t, testHealthCheckNodePort) }
+
+func testHealthCheckNodePort(t *testing.T) {
 	const podNode = 2
 	e := newEnv(t)
 	pods := e.deploy(workload{name: "web", replicas: 2, node: nodeName(podNode)})
@@ -613,7 +617,9 @@ func (e *env) scrapeSync(node string, port int) (syncMetrics, error) {
 // /proxyMode names the mode; the last sync time and the endpoint and service
 // change counters move as a Deployment behind a new Service is created and
 // scaled, and so does the network programming latency histogram.
-func TestMetrics(t *testing.T) {
+func TestMetrics(t *testing.T) { inMode(t, testMetrics) }
+
+func testMetrics(t *testing.T) {
 	const node = 1
 	e := newEnv(t)
 	from := nodeName(node)
@@ -739,7 +745,9 @@ type udpReply struct {
 // Deployment replaces it, the same socket gets answers from the new pod
 // within seconds. Only kproxy deleting the entry (DNATed to the old pod's
 // address) makes that possible.
-func TestUDPConntrackCleanup(t *testing.T) {
+func TestUDPConntrackCleanup(t *testing.T) { inMode(t, testUDPConntrackCleanup) }
+
+func testUDPConntrackCleanup(t *testing.T) {
 	const (
 		clientNode, backendNode = 1, 2
 		interval                = 50 * time.Millisecond
@@ -891,11 +899,13 @@ func TestUDPConntrackCleanup(t *testing.T) {
 }
 
 // TestConfigFile: kproxy started with --config (a KubeProxyConfiguration
-// moving the metrics and health servers, with iptables sync periods) on
+// moving the metrics and health servers, with the mode's sync periods) on
 // one node, beside the cluster's flags, serves traffic and its servers
 // where the file puts them; restarted with the cluster's flags it is back
 // on the default ports.
-func TestConfigFile(t *testing.T) {
+func TestConfigFile(t *testing.T) { inMode(t, testConfigFile) }
+
+func testConfigFile(t *testing.T) {
 	const (
 		node = 3
 		// The file's ports, instead of metricsPort and healthzPort.
@@ -915,15 +925,11 @@ func TestConfigFile(t *testing.T) {
 	// cluster's --kubeconfig and --hostname-override give them.
 	config := fmt.Sprintf(`apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
-mode: iptables
+mode: %s
 clusterCIDR: %s
 metricsBindAddress: 127.0.0.1:%d
 healthzBindAddress: 0.0.0.0:%d
-iptables:
-  masqueradeBit: 14
-  minSyncPeriod: 2s
-  syncPeriod: 20s
-`, cluster.ClusterCIDR, fileMetricsPort, fileHealthzPort)
+%s`, e.c.Mode(), cluster.ClusterCIDR, fileMetricsPort, fileHealthzPort, modeConfigSection(e.c.Mode()))
 	path := filepath.Join(e.c.StateDir(), e.ns+"-kproxy-config.yaml")
 	if err := os.WriteFile(path, []byte(config), 0o600); err != nil {
 		t.Fatal(err)
@@ -963,9 +969,11 @@ iptables:
 			}
 			return nil
 		})
-		if _, err := e.scrapeSync(nodeName(node), fileMetricsPort); err != nil {
-			e.fatalf("metrics on the file's port: %v", err)
-		}
+		// Every family's first sync, not only the one kproxySynced saw.
+		e.eventually("sync metrics on the file's metrics port", programTimeout, func() error {
+			_, err := e.scrapeSync(nodeName(node), fileMetricsPort)
+			return err
+		})
 		e.eventually("/healthz on the file's health port", programTimeout, func() error {
 			return e.checkHealth(cluster.TargetClient, hostPort(cluster.NodeIP(node), fileHealthzPort), "healthz", http.StatusOK, new(true))
 		})
@@ -1004,7 +1012,9 @@ func eventCounts(events []v1.Event) map[string]int {
 // Warning event per kproxy on a Service whose topologyKeys annotation is
 // malformed: once per change of the problem, never again on the syncs
 // that follow, nor on an update that leaves the problem as it is.
-func TestEvents(t *testing.T) {
+func TestEvents(t *testing.T) { inMode(t, testEvents) }
+
+func testEvents(t *testing.T) {
 	e := newEnv(t)
 
 	t.Run("Starting on every Node", func(t *testing.T) {
@@ -1136,7 +1146,9 @@ func TestEvents(t *testing.T) {
 // and leaves its rules in place: the external client through the node's
 // NodePort, a pod on the node and the node itself still reach the Service
 // while no kproxy runs there; a new kproxy takes over.
-func TestGracefulShutdown(t *testing.T) {
+func TestGracefulShutdown(t *testing.T) { inMode(t, testGracefulShutdown) }
+
+func testGracefulShutdown(t *testing.T) {
 	const node = 3
 	e := newEnv(t)
 	pods := e.deploy(workload{name: "web", replicas: 2})
@@ -1152,26 +1164,21 @@ func TestGracefulShutdown(t *testing.T) {
 	for _, p := range paths {
 		e.expectTraffic(p.from, "tcp", p.addr, 20, expect{all: names(pods, "")})
 	}
-	// serviceRules are the node's nat rules of this test's Service.
+	// serviceRules are kproxy's rules on the node that name this test's
+	// namespace or its Service's ClusterIP.
 	serviceRules := func() []string {
-		out, err := e.c.Exec(e.ctx, nodeName(node), "iptables-save", "-t", "nat")
+		lines, err := e.kproxyRules(e.ctx, nodeName(node))
 		if err != nil {
-			e.fatalf("iptables-save on %s: %v", nodeName(node), err)
+			e.fatalf("%v", err)
 		}
-		var rules []string
-		for line := range strings.SplitSeq(out, "\n") {
-			if strings.HasPrefix(line, "-A ") && strings.Contains(line, e.ns+"/") {
-				rules = append(rules, line)
-			}
+		if !hasKproxyState(e.c.Mode(), lines) {
+			e.fatalf("no kproxy chain or table on %s in %s mode", nodeName(node), e.c.Mode())
 		}
-		if !strings.Contains(out, ":KPROXY-SERVICES ") {
-			e.fatalf("iptables-save -t nat on %s has no KPROXY-SERVICES chain", nodeName(node))
-		}
-		return rules
+		return mentions(lines, e.ns, svc.Spec.ClusterIP)
 	}
 	before := serviceRules()
 	if len(before) == 0 {
-		e.fatalf("no nat rule of %s on %s", e.ns, nodeName(node))
+		e.fatalf("no kproxy rule of %s or %s on %s", e.ns, svc.Spec.ClusterIP, nodeName(node))
 	}
 
 	g := e.guardKproxy(nodeName(node))
@@ -1185,7 +1192,7 @@ func TestGracefulShutdown(t *testing.T) {
 		e.fatalf("kproxy on %s did not log an orderly stop after SIGTERM", nodeName(node))
 	}
 	if after := serviceRules(); !slices.Equal(after, before) {
-		e.fatalf("the Service's nat rules changed when kproxy stopped:\nbefore:\n%s\nafter:\n%s",
+		e.fatalf("the Service's rules changed when kproxy stopped:\nbefore:\n%s\nafter:\n%s",
 			strings.Join(before, "\n"), strings.Join(after, "\n"))
 	}
 	for _, p := range paths {

@@ -16,7 +16,9 @@ import (
 
 // TestClusterIP: a ClusterIP reaches every replica; pods keep their source
 // address, a node's own traffic is masqueraded.
-func TestClusterIP(t *testing.T) {
+func TestClusterIP(t *testing.T) { inMode(t, testClusterIP) }
+
+func testClusterIP(t *testing.T) {
 	e := newEnv(t)
 	pods := e.deploy(workload{name: "web", replicas: 3})
 	svc := e.createService("web", map[string]string{"app": "web"})
@@ -52,7 +54,9 @@ func TestClusterIP(t *testing.T) {
 
 // TestNodePort: the external client reaches every replica through the
 // NodePort of each node, masqueraded to a node address.
-func TestNodePort(t *testing.T) {
+func TestNodePort(t *testing.T) { inMode(t, testNodePort) }
+
+func testNodePort(t *testing.T) {
 	e := newEnv(t)
 	pods := e.deploy(workload{name: "web", replicas: 3})
 	svc := e.createService("web", map[string]string{"app": "web"}, withType(v1.ServiceTypeNodePort))
@@ -71,7 +75,9 @@ func TestNodePort(t *testing.T) {
 
 // TestExternalIPs: the external client reaches an ExternalIP routed via a
 // node.
-func TestExternalIPs(t *testing.T) {
+func TestExternalIPs(t *testing.T) { inMode(t, testExternalIPs) }
+
+func testExternalIPs(t *testing.T) {
 	const vip = "10.253.0.3"
 	e := newEnv(t)
 	pods := e.deploy(workload{name: "web", replicas: 3})
@@ -89,7 +95,9 @@ func TestExternalIPs(t *testing.T) {
 // TestLoadBalancer: the external client reaches a LoadBalancer ingress IP
 // (status set by hand); loadBalancerSourceRanges that leave the client out
 // drop its traffic, ranges that include it let it through.
-func TestLoadBalancer(t *testing.T) {
+func TestLoadBalancer(t *testing.T) { inMode(t, testLoadBalancer) }
+
+func testLoadBalancer(t *testing.T) {
 	const vip = "10.253.0.4"
 	e := newEnv(t)
 	pods := e.deploy(workload{name: "web", replicas: 2})
@@ -141,7 +149,9 @@ func TestLoadBalancer(t *testing.T) {
 
 // TestSessionAffinity: with ClientIP affinity every request of one client
 // reaches the same pod.
-func TestSessionAffinity(t *testing.T) {
+func TestSessionAffinity(t *testing.T) { inMode(t, testSessionAffinity) }
+
+func testSessionAffinity(t *testing.T) {
 	e := newEnv(t)
 	pods := e.deploy(workload{name: "web", replicas: 3})
 	// The endpoints exist before the Service: kproxy's first rules for it
@@ -178,7 +188,9 @@ func TestSessionAffinity(t *testing.T) {
 
 // TestNoEndpointsRejects: a Service whose selector matches nothing
 // rejects at once (no timeout) on its ClusterIP and NodePort.
-func TestNoEndpointsRejects(t *testing.T) {
+func TestNoEndpointsRejects(t *testing.T) { inMode(t, testNoEndpointsRejects) }
+
+func testNoEndpointsRejects(t *testing.T) {
 	e := newEnv(t)
 	svc := e.createService("empty", map[string]string{"app": "nothing-matches"}, withType(v1.ServiceTypeNodePort))
 	clientPod, _ := e.clientPod("client", nodeName(1))
@@ -206,7 +218,9 @@ func TestNoEndpointsRejects(t *testing.T) {
 
 // TestUDP: a UDP Service reaches every replica, from a pod (source kept)
 // and from the external client through a NodePort.
-func TestUDP(t *testing.T) {
+func TestUDP(t *testing.T) { inMode(t, testUDP) }
+
+func testUDP(t *testing.T) {
 	e := newEnv(t)
 	pods := e.deploy(workload{name: "dns", replicas: 2, ports: []v1.ContainerPort{
 		{Name: "udp", ContainerPort: udpEchoPort, Protocol: v1.ProtocolUDP},
@@ -232,7 +246,9 @@ func TestUDP(t *testing.T) {
 
 // TestServiceUpdates: kproxy follows a Service's port change, its
 // Deployment scaling up and down, and its deletion.
-func TestServiceUpdates(t *testing.T) {
+func TestServiceUpdates(t *testing.T) { inMode(t, testServiceUpdates) }
+
+func testServiceUpdates(t *testing.T) {
 	e := newEnv(t)
 	e.deploy(workload{name: "web", replicas: 1})
 	svc := e.createService("web", map[string]string{"app": "web"})

@@ -37,7 +37,9 @@ func (e *env) perNode(name string, sel map[string]string, replicas ...int32) [][
 // TestExternalTrafficPolicyLocal: a NodePort with eTP=Local answers only
 // from the receiving node's pods, which see the client's own address; a
 // node without a local endpoint drops the traffic.
-func TestExternalTrafficPolicyLocal(t *testing.T) {
+func TestExternalTrafficPolicyLocal(t *testing.T) { inMode(t, testExternalTrafficPolicyLocal) }
+
+func testExternalTrafficPolicyLocal(t *testing.T) {
 	e := newEnv(t)
 	sel := map[string]string{"svc": "etp"}
 	byNode := e.perNode("etp", sel, 2, 1, 0)
@@ -65,7 +67,9 @@ func TestExternalTrafficPolicyLocal(t *testing.T) {
 
 // TestInternalTrafficPolicyLocal: with iTP=Local a pod reaches only the
 // endpoints of its own node; a pod on a node without one is dropped.
-func TestInternalTrafficPolicyLocal(t *testing.T) {
+func TestInternalTrafficPolicyLocal(t *testing.T) { inMode(t, testInternalTrafficPolicyLocal) }
+
+func testInternalTrafficPolicyLocal(t *testing.T) {
 	e := newEnv(t)
 	sel := map[string]string{"svc": "itp"}
 	byNode := e.perNode("itp", sel, 2, 1, 0)
@@ -94,7 +98,9 @@ func TestInternalTrafficPolicyLocal(t *testing.T) {
 // EndpointSlice controller hints each endpoint for its zone, and kproxy
 // keeps a pod's traffic inside its zone (node-1 and node-3 are zone-a,
 // node-2 zone-b).
-func TestTopologyHints(t *testing.T) {
+func TestTopologyHints(t *testing.T) { inMode(t, testTopologyHints) }
+
+func testTopologyHints(t *testing.T) {
 	e := newEnv(t)
 	sel := map[string]string{"svc": "zonal"}
 	byNode := e.perNode("zonal", sel)
@@ -141,7 +147,9 @@ func TestTopologyHints(t *testing.T) {
 // label a pod reaches only the endpoints of its group; relabelling its node
 // into the other group moves its traffic there within seconds (node-1 and
 // node-3 are g1, node-2 g0).
-func TestTopologyKeys(t *testing.T) {
+func TestTopologyKeys(t *testing.T) { inMode(t, testTopologyKeys) }
+
+func testTopologyKeys(t *testing.T) {
 	const movedNode = 1
 	e := newEnv(t)
 	sel := map[string]string{"svc": "grouped"}

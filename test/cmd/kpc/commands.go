@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"text/tabwriter"
 	"time"
@@ -75,6 +76,7 @@ See test/LOCAL-CLUSTER.md.`,
 		newStatusCommand(g, stdout),
 		newKubeconfigCommand(g, stdout),
 		newExecCommand(g),
+		newModeCommand(g, stdout),
 		newAgentCommand(),
 		newDemoCommand(g, stdout),
 	)
@@ -108,12 +110,43 @@ func defaultBinDir() string {
 	return filepath.Dir(exe)
 }
 
+// modeEnv names the default kproxy mode of `kpc up` and `kpc demo`.
+const modeEnv = "KPC_MODE"
+
+// defaultMode is $KPC_MODE, or kproxy's default mode.
+func defaultMode() string {
+	if m := os.Getenv(modeEnv); m != "" {
+		return m
+	}
+	return cluster.DefaultMode
+}
+
+// validateMode checks a --mode value (from the flag or $KPC_MODE).
+func validateMode(mode string) error {
+	if err := cluster.ValidateMode(mode); err != nil {
+		return fmt.Errorf("--mode (or $%s): %w", modeEnv, err)
+	}
+	return nil
+}
+
+// rulesCommand shows kproxy's kernel state on a node in mode.
+func rulesCommand(mode string) string {
+	switch mode {
+	case cluster.ModeNFTables:
+		return "nft list ruleset"
+	case cluster.ModeIPVS:
+		return "ipvsadm -Ln"
+	default:
+		return "iptables-save -t nat"
+	}
+}
+
 func (o *upOptions) clusterOptions(stateDir string) (cluster.Options, error) {
 	if o.Nodes < 1 || o.Nodes > cluster.MaxNodes {
 		return cluster.Options{}, fmt.Errorf("--nodes must be within 1..%d, got %d", cluster.MaxNodes, o.Nodes)
 	}
-	if o.Mode == "" {
-		return cluster.Options{}, errors.New("--mode must not be empty")
+	if err := validateMode(o.Mode); err != nil {
+		return cluster.Options{}, err
 	}
 	return cluster.Options{
 		Nodes: o.Nodes, Mode: o.Mode, StateDir: stateDir, BinDir: o.BinDir,
@@ -122,7 +155,7 @@ func (o *upOptions) clusterOptions(stateDir string) (cluster.Options, error) {
 }
 
 func newUpCommand(g *globalOptions, stdout io.Writer) *cobra.Command {
-	o := &upOptions{Nodes: cluster.DefaultNodes, Mode: cluster.DefaultMode, BinDir: defaultBinDir()}
+	o := &upOptions{Nodes: cluster.DefaultNodes, Mode: defaultMode(), BinDir: defaultBinDir()}
 	cmd := &cobra.Command{
 		Use:   "up",
 		Short: "Start a cluster: network, control plane, node agents and kproxy",
@@ -142,17 +175,18 @@ func newUpCommand(g *globalOptions, stdout io.Writer) *cobra.Command {
 			fmt.Fprintf(stdout, `Cluster up in %s: %d nodes, kproxy --proxy-mode=%s.
   kubectl --kubeconfig %s get nodes,pods -A
   kpc exec client -- curl -s http://%s:<nodePort>/
-  kpc exec node-1 -- iptables-save -t nat
+  kpc exec node-1 -- %s
+  kpc mode <iptables|nftables|ipvs>   # switch every node's kproxy
   kpc status
   kpc down
 Logs: %s/logs
-`, time.Since(began).Round(100*time.Millisecond), opts.Nodes, c.Mode(), c.Kubeconfig(), cluster.NodeIP(1), c.StateDir())
+`, time.Since(began).Round(100*time.Millisecond), opts.Nodes, c.Mode(), c.Kubeconfig(), cluster.NodeIP(1), rulesCommand(c.Mode()), c.StateDir())
 			return nil
 		},
 	}
 	f := cmd.Flags()
 	f.IntVar(&o.Nodes, "nodes", o.Nodes, "Number of nodes.")
-	f.StringVar(&o.Mode, "mode", o.Mode, "kproxy --proxy-mode.")
+	f.StringVar(&o.Mode, "mode", o.Mode, "kproxy --proxy-mode: "+strings.Join(cluster.KnownModes(), ", ")+" (checked against the kproxy binary and this host before anything starts); $"+modeEnv+" or "+cluster.DefaultMode+" by default.")
 	f.StringVar(&o.BinDir, "bin-dir", o.BinDir, "Directory of etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kpc and kproxy (hack/build-control-plane.sh prints it); $KPC_BIN_DIR or kpc's own directory by default.")
 	f.StringArrayVar(&o.KproxyArgs, "kproxy-arg", nil, "Extra kproxy flag for every node (repeatable), e.g. --kproxy-arg=--masquerade-all.")
 	return cmd
@@ -227,6 +261,40 @@ func printStatus(w io.Writer, s *cluster.Status) {
 		}
 	}
 	tw.Flush()
+}
+
+func newModeCommand(g *globalOptions, stdout io.Writer) *cobra.Command {
+	return &cobra.Command{
+		Use:   "mode [iptables|nftables|ipvs]",
+		Short: "Print kproxy's mode, or switch kproxy on every node to another mode (no --cleanup: kproxy removes the other modes' rules at start-up)",
+		Args:  cobra.MaximumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := cluster.Load(g.StateDir)
+			if err != nil {
+				return err
+			}
+			if len(args) == 0 {
+				fmt.Fprintln(stdout, c.Mode())
+				return nil
+			}
+			mode := args[0]
+			if err := cluster.ValidateMode(mode); err != nil {
+				return err
+			}
+			ctx, cancel := signalContext()
+			defer cancel()
+			if err := cluster.ProbeMode(ctx, c.BinDir(), mode); err != nil {
+				return err
+			}
+			began := time.Now()
+			if err := c.SetMode(ctx, mode); err != nil {
+				return err
+			}
+			fmt.Fprintf(stdout, "kproxy runs --proxy-mode=%s on %s (switched and synced in %s).\n  kpc exec node-1 -- %s\n",
+				mode, strings.Join(c.NodeNames(), ", "), time.Since(began).Round(100*time.Millisecond), rulesCommand(mode))
+			return nil
+		},
+	}
 }
 
 func newKubeconfigCommand(g *globalOptions, stdout io.Writer) *cobra.Command {

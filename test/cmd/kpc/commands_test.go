@@ -61,8 +61,10 @@ func parseUp(t *testing.T, args ...string) (*upOptions, error) {
 
 func TestUpFlags(t *testing.T) {
 	tests := []struct {
-		name    string
-		args    []string
+		name string
+		args []string
+		// modeEnv is $KPC_MODE.
+		modeEnv string
 		want    cluster.Options
 		wantErr bool
 	}{
@@ -70,6 +72,24 @@ func TestUpFlags(t *testing.T) {
 			name: "defaults",
 			want: cluster.Options{Nodes: 2, Mode: "iptables", StateDir: "/run/kpc", BinDir: "/bin"},
 		},
+		{
+			name: "nftables mode",
+			args: []string{"--mode", "nftables"},
+			want: cluster.Options{Nodes: 2, Mode: "nftables", StateDir: "/run/kpc", BinDir: "/bin"},
+		},
+		{
+			name:    "mode from KPC_MODE",
+			modeEnv: "nftables",
+			want:    cluster.Options{Nodes: 2, Mode: "nftables", StateDir: "/run/kpc", BinDir: "/bin"},
+		},
+		{
+			name:    "the flag beats KPC_MODE",
+			args:    []string{"--mode=iptables"},
+			modeEnv: "nftables",
+			want:    cluster.Options{Nodes: 2, Mode: "iptables", StateDir: "/run/kpc", BinDir: "/bin"},
+		},
+		{name: "unknown mode", args: []string{"--mode=userspace"}, wantErr: true},
+		{name: "unknown mode in KPC_MODE", modeEnv: "nft", wantErr: true},
 		{
 			name: "nodes, mode and kproxy flags",
 			args: []string{"--nodes", "3", "--mode=ipvs", "--kproxy-arg=--masquerade-all", "--kproxy-arg", "--nodeport-addresses=10.254.0.0/24,10.253.0.0/24"},
@@ -84,6 +104,7 @@ func TestUpFlags(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Setenv("KPC_BIN_DIR", "/bin")
+			t.Setenv(modeEnv, tc.modeEnv)
 			o, err := parseUp(t, tc.args...)
 			var got cluster.Options
 			if err == nil {
@@ -168,6 +189,17 @@ func agentFlagsOf(t *testing.T, cmd *cobra.Command) *agentFlags {
 	return f
 }
 
+func TestRulesCommand(t *testing.T) {
+	for _, mode := range cluster.KnownModes() {
+		t.Run(mode, func(t *testing.T) {
+			cmd := rulesCommand(mode)
+			if cmd == "" || (mode == cluster.ModeNFTables) != strings.HasPrefix(cmd, "nft ") {
+				t.Errorf("rulesCommand(%s) = %q", mode, cmd)
+			}
+		})
+	}
+}
+
 func TestAgentFlagErrors(t *testing.T) {
 	valid := agentFlags{Kubeconfig: "/k", NodeName: "node-1", NodeIP: "10.254.0.11", PodCIDR: "10.244.1.0/24", NetNS: "kpc-node-1"}
 	tests := []struct {
@@ -204,6 +236,7 @@ func TestAgentFlagErrors(t *testing.T) {
 }
 
 func TestCommandsWithoutCluster(t *testing.T) {
+	t.Setenv(modeEnv, "")
 	state := filepath.Join(t.TempDir(), "none")
 	tests := []struct {
 		name     string
@@ -216,6 +249,10 @@ func TestCommandsWithoutCluster(t *testing.T) {
 		{name: "exec", args: []string{"exec", "--state", state, "client", "--", "true"}, wantCode: 1, wantErr: "no local cluster is up"},
 		{name: "exec without a dash", args: []string{"exec", "--state", state, "client", "true"}, wantCode: 1, wantErr: "usage: kpc exec"},
 		{name: "unknown command", args: []string{"upp"}, wantCode: 1, wantErr: "unknown command"},
+		{name: "mode", args: []string{"mode", "--state", state}, wantCode: 1, wantErr: "no local cluster is up"},
+		{name: "mode switch", args: []string{"mode", "--state", state, "nftables"}, wantCode: 1, wantErr: "no local cluster is up"},
+		{name: "two modes", args: []string{"mode", "--state", state, "iptables", "nftables"}, wantCode: 1, wantErr: "accepts at most 1 arg"},
+		{name: "demo with an unknown mode", args: []string{"demo", "--state", state, "--mode=nft"}, wantCode: 1, wantErr: `"nft" is not a kproxy proxy mode`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

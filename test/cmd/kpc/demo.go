@@ -34,17 +34,25 @@ type demoOptions struct {
 	Replicas int
 	Requests int
 	BinDir   string
+	// Mode is kproxy's mode; a running cluster in another mode is
+	// switched to it only when set explicitly (the flag or $KPC_MODE).
+	Mode         string
+	ModeExplicit bool
 }
 
 const demoNamespace = "demo"
 
 func newDemoCommand(g *globalOptions, stdout io.Writer) *cobra.Command {
-	o := &demoOptions{Nodes: 2, Replicas: 3, Requests: 12}
+	o := &demoOptions{Nodes: 2, Replicas: 3, Requests: 12, Mode: defaultMode()}
 	cmd := &cobra.Command{
 		Use:   "demo",
 		Short: "Start a cluster (if needed), deploy an echo service and show kproxy routing real requests",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := validateMode(o.Mode); err != nil {
+				return err
+			}
+			o.ModeExplicit = cmd.Flags().Changed("mode") || os.Getenv(modeEnv) != ""
 			ctx, cancel := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer cancel()
 			return runDemo(ctx, g, o, stdout)
@@ -54,20 +62,30 @@ func newDemoCommand(g *globalOptions, stdout io.Writer) *cobra.Command {
 	cmd.Flags().IntVar(&o.Replicas, "replicas", o.Replicas, "Replicas of the echo Deployment.")
 	cmd.Flags().IntVar(&o.Requests, "requests", o.Requests, "Requests sent from each vantage point.")
 	cmd.Flags().StringVar(&o.BinDir, "bin-dir", defaultBinDir(), "Directory of the cluster's programs; $KPC_BIN_DIR or kpc's own directory by default.")
+	cmd.Flags().StringVar(&o.Mode, "mode", o.Mode, "kproxy --proxy-mode ("+strings.Join(cluster.KnownModes(), ", ")+"); a running cluster is switched to it when given; $"+modeEnv+" or "+cluster.DefaultMode+" by default.")
 	return cmd
 }
 
 func runDemo(ctx context.Context, g *globalOptions, o *demoOptions, w io.Writer) error {
 	c, err := cluster.Load(g.StateDir)
 	if errors.Is(err, cluster.ErrNotUp) {
-		fmt.Fprintf(w, "==> Starting a %d-node cluster (control plane, nodes and pods are network namespaces)\n", o.Nodes)
-		c, err = cluster.Up(ctx, cluster.Options{Nodes: o.Nodes, StateDir: g.StateDir, BinDir: o.BinDir})
+		fmt.Fprintf(w, "==> Starting a %d-node cluster (control plane, nodes and pods are network namespaces), kproxy in %s mode\n", o.Nodes, o.Mode)
+		c, err = cluster.Up(ctx, cluster.Options{Nodes: o.Nodes, Mode: o.Mode, StateDir: g.StateDir, BinDir: o.BinDir})
 	}
 	if err != nil {
 		return err
 	}
+	if o.ModeExplicit && c.Mode() != o.Mode {
+		fmt.Fprintf(w, "==> Switching kproxy on every node from %s to %s mode\n", c.Mode(), o.Mode)
+		if err := cluster.ProbeMode(ctx, c.BinDir(), o.Mode); err != nil {
+			return err
+		}
+		if err := c.SetMode(ctx, o.Mode); err != nil {
+			return err
+		}
+	}
 	client := c.Client()
-	fmt.Fprintf(w, "==> Cluster up: nodes %s, each running kproxy (iptables mode)\n", strings.Join(c.NodeNames(), ", "))
+	fmt.Fprintf(w, "==> Cluster up: nodes %s, each running kproxy (%s mode)\n", strings.Join(c.NodeNames(), ", "), c.Mode())
 
 	if err := demoObjects(ctx, client, o.Replicas); err != nil {
 		return err
@@ -110,16 +128,33 @@ func runDemo(ctx context.Context, g *globalOptions, o *demoOptions, w io.Writer)
 Try it yourself:
   export KUBECONFIG=%[1]s
   kubectl -n %[2]s get pods,svc,endpointslices -o wide      # if you have kubectl
-  %[3]s exec node-1 -- iptables-save -t nat | grep KPROXY    # kproxy's rules on node-1
+  %[3]s exec node-1 -- %[4]s    # kproxy's rules on node-1
   %[3]s exec client -- ip route                             # the external client
+  %[3]s mode %[5]s                                  # switch every node's kproxy to another mode
   %[3]s status
 Tear it all down (namespaces, links, processes):
   %[3]s down        # or: make demo-down
-`, c.Kubeconfig(), demoNamespace, self)
+`, c.Kubeconfig(), demoNamespace, self, demoRulesHint(c.Mode()), otherMode(c.Mode()))
 	if !ok {
 		return errors.New("some demo requests failed (see above); kproxy logs are in " + c.StateDir())
 	}
 	return nil
+}
+
+// demoRulesHint is the demo's command showing kproxy's rules in mode.
+func demoRulesHint(mode string) string {
+	if mode == cluster.ModeIPTables {
+		return rulesCommand(mode) + " | grep KPROXY"
+	}
+	return rulesCommand(mode)
+}
+
+// otherMode suggests a mode to switch to from mode.
+func otherMode(mode string) string {
+	if mode == cluster.ModeIPTables {
+		return cluster.ModeNFTables
+	}
+	return cluster.ModeIPTables
 }
 
 // demoTraffic sends requests from a namespace and prints which pods answered.
