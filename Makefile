@@ -74,7 +74,7 @@ bench: deps
 	@set -o pipefail; mkdir -p _output && bin=$$(hack/build-control-plane.sh | tail -n 1) && cd test && \
 	  KPC_BIN_DIR="$$bin" KPC_LATENCY_OUT="$(CURDIR)/_output/latency.json" \
 	  $(GO) test -count=1 -run '^TestNetworkProgrammingLatency$$' -v -timeout 30m ./e2e/ | grep -E 'p50|p99|^(ok|FAIL|---)'
-	@echo "latency samples: _output/latency.json"
+	@echo "latency samples: _output/latency*.json"
 	@# The kproxy process against the local control plane's API server
 	@# (test/procbench): first sync, write-to-kernel-commit time of one-endpoint
 	@# changes, CPU per change and peak RSS, per mode and size, and again at the
