@@ -284,7 +284,7 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, full bool) e
 	// Each service port's chains are one group (they jump to each other);
 	// the writer leaves out what did not change since its last write.
 	names := proxy.SortedServicePortNames(next)
-	rules := ipt.NewRuleSet()
+	rules := &ipt.RuleSet{Groups: make([]ipt.ChainGroup, 0, len(names))}
 	for _, name := range names {
 		if chains, ok := fresh[name]; ok {
 			rules.AddGroup(ipt.TableNAT, chains...)

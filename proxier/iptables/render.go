@@ -132,10 +132,11 @@ func (r *renderer) layout(st *proxy.ServiceState) *portLayout {
 	l := &portLayout{st: st, d: &st.Decisions, nameStr: st.Name.String(), port: strconv.Itoa(st.Port)}
 	d := l.d
 	l.pm = protoMatch(strings.ToLower(string(st.Protocol)))
-	l.policyChain[proxy.SelectCluster] = servicePortChain(kindCluster, st.Name)
-	l.policyChain[proxy.SelectLocal] = servicePortChain(kindLocal, st.Name)
-	l.extChain = servicePortChain(kindExternal, st.Name)
-	l.fwChain = servicePortChain(kindFirewall, st.Name)
+	h := servicePortChains(st.Name)
+	l.policyChain[proxy.SelectCluster] = h.chain(kindCluster)
+	l.policyChain[proxy.SelectLocal] = h.chain(kindLocal)
+	l.extChain = h.chain(kindExternal)
+	l.fwChain = h.chain(kindFirewall)
 	for _, k := range proxy.DestinationKinds[1:] {
 		if d.Has(k) {
 			l.extKind, l.hasExt = k, true
