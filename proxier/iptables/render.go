@@ -128,6 +128,7 @@ type portLayout struct {
 	cipMatch string
 }
 
+// layout works out st's portLayout.
 func (r *renderer) layout(st *proxy.ServiceState) *portLayout {
 	l := &portLayout{st: st, d: &st.Decisions, nameStr: st.Name.String(), port: strconv.Itoa(st.Port)}
 	d := l.d
@@ -161,7 +162,9 @@ func (r *renderer) layout(st *proxy.ServiceState) *portLayout {
 func (r *renderer) render(st *proxy.ServiceState) *renderedService {
 	l := r.layout(st)
 	out := &renderedService{state: st}
-	for _, c := range r.natChains(l, false) {
+	chains := r.natChains(l, false)
+	out.natChains = make([]string, 0, len(chains))
+	for _, c := range chains {
 		out.natChains = append(out.natChains, c.Name)
 	}
 	d := l.d
