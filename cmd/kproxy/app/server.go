@@ -81,6 +81,7 @@ LoadBalancer, traffic policies, session affinity and topology-aware routing.`,
 			if o.Cleanup {
 				return RunCleanup(ctx, o)
 			}
+			setGCDefaults(klog.FromContext(ctx), os.LookupEnv)
 			return Run(ctx, o)
 		},
 	}
