@@ -1,6 +1,7 @@
 package iptables
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -288,12 +289,24 @@ func (r *Real) ChainExists(ctx context.Context, table Table, chain Chain) (bool,
 	return exists, nil
 }
 
-// ListChains implements Interface.
+// ListChains implements Interface. It reads the chain declarations at the
+// head of iptables-save's output and stops it there: the rules that follow
+// are most of a large table's dump (tens of megabytes at 10,000 services),
+// which reading whole, as `iptables -S` through go-iptables did, made every
+// full sync's memory peak.
 func (r *Real) ListChains(ctx context.Context, table Table) ([]string, error) {
 	var chains []string
-	err := r.call(ctx, "ListChains", table, "", nil, func() (err error) {
-		chains, err = r.ipt.ListChains(string(table))
-		return err
+	err := r.call(ctx, "ListChains", table, "", nil, func() error {
+		return r.scanLines(ctx, r.savePath, []string{"-t", string(table)}, func(line []byte) bool {
+			switch {
+			case bytes.HasPrefix(line, []byte(":")):
+				name, _, _ := bytes.Cut(line[1:], []byte(" "))
+				chains = append(chains, string(name))
+			case bytes.HasPrefix(line, []byte("-")), bytes.Equal(line, []byte("COMMIT")):
+				return false // the declarations are over
+			}
+			return true
+		})
 	})
 	if err != nil {
 		return nil, fmt.Errorf("listing chains in table %s: %w", table, err)
@@ -495,6 +508,50 @@ func (r *Real) run(ctx context.Context, stdin []byte, bin string, args ...string
 		return stdout.Bytes(), &execError{args: argv, stderr: stderr.String(), err: err}
 	}
 	return stdout.Bytes(), nil
+}
+
+// scanLines runs bin (inside the namespace when one is set) and hands each
+// line of its output to fn until fn returns false; then it kills the
+// command, which only reads, and reports no error for it. Failures are
+// *execError.
+func (r *Real) scanLines(ctx context.Context, bin string, args []string, fn func(line []byte) bool) error {
+	argv := append([]string{bin}, args...)
+	if r.netns != "" {
+		argv = append([]string{r.ipPath, "netns", "exec", r.netns}, argv...)
+	}
+	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return &execError{args: argv, err: err}
+	}
+	if err := cmd.Start(); err != nil {
+		return &execError{args: argv, err: err}
+	}
+	sc := bufio.NewScanner(out)
+	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	stopped := false
+	for sc.Scan() {
+		if !fn(sc.Bytes()) {
+			stopped = true
+			break
+		}
+	}
+	scanErr := sc.Err()
+	if stopped {
+		_ = cmd.Process.Kill()
+	}
+	err = cmd.Wait()
+	switch {
+	case stopped:
+		return nil
+	case err != nil:
+		return &execError{args: argv, stderr: stderr.String(), err: err}
+	case scanErr != nil:
+		return &execError{args: argv, stderr: stderr.String(), err: scanErr}
+	}
+	return nil
 }
 
 // execError is a failed command with its stderr.

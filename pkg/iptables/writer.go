@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"slices"
 	"strings"
 	"time"
@@ -22,14 +23,52 @@ type ChainRules struct {
 
 // ChainGroup is chains of one table that reach the kernel in the same
 // restore because they jump to each other (one service port's chains).
+//
+// A group is given either with its rules (Chains) or lazily (Names and
+// Render), so that its caller need not keep the rules' text between
+// writes: a partial write takes a lazy group as unchanged since the
+// Writer's last write when the Writer has a record of each of its chains,
+// and writes it, calling Render, when not; a full write always writes it.
+// Hand a group lazily to a partial write only when its rules are those
+// last handed to the Writer.
 type ChainGroup struct {
-	Table  Table
+	Table Table
+	// Chains are the chains with their rules (nil in a lazy group).
 	Chains []ChainRules
+	// Names are a lazy group's chains, in the order Render returns them.
+	Names []string
+	// Render returns a lazy group's chains with their rules; it is called
+	// while the restore holding the group is written, and at most once
+	// per Apply.
+	Render func() []ChainRules
+}
+
+// lazy reports whether the group is given by Names and Render.
+func (g *ChainGroup) lazy() bool { return g.Render != nil }
+
+// size is the number of chains of the group.
+func (g *ChainGroup) size() int {
+	if g.lazy() {
+		return len(g.Names)
+	}
+	return len(g.Chains)
+}
+
+// eachName calls fn with each chain name of the group, in order.
+func (g *ChainGroup) eachName(fn func(string)) {
+	if g.lazy() {
+		for _, n := range g.Names {
+			fn(n)
+		}
+		return
+	}
+	for _, c := range g.Chains {
+		fn(c.Name)
+	}
 }
 
 // RuleSet is every chain a Writer should leave in the kernel. A chain
-// appears once; its rules are not changed once handed to a Writer (the
-// Writer keeps them as the record of its last write).
+// appears once; its rules are not changed once handed to a Writer.
 type RuleSet struct {
 	// Groups may be spread over several restores before the last one
 	// (WriterOptions.BatchChains); a group is never split. They are written
@@ -51,6 +90,15 @@ func (rs *RuleSet) AddGroup(table Table, chains ...ChainRules) {
 	}
 }
 
+// AddLazyGroup adds the chains names of table as one lazy group (see
+// ChainGroup): render returns them, in this order, with their rules. An
+// empty group is ignored.
+func (rs *RuleSet) AddLazyGroup(table Table, names []string, render func() []ChainRules) {
+	if len(names) > 0 {
+		rs.Groups = append(rs.Groups, ChainGroup{Table: table, Names: names, Render: render})
+	}
+}
+
 // SetShared sets a shared chain's rules (nil for an empty chain).
 func (rs *RuleSet) SetShared(table Table, chain string, rules []string) {
 	if rs.Shared == nil {
@@ -62,7 +110,9 @@ func (rs *RuleSet) SetShared(table Table, chain string, rules []string) {
 	rs.Shared[table][chain] = rules
 }
 
-// RuleCount is the number of rules in table's chains.
+// RuleCount is the number of rules in table's chains given with their
+// rules; lazy groups are not counted (Writer.RuleCount counts what a
+// Writer last wrote).
 func (rs *RuleSet) RuleCount(table Table) int {
 	n := 0
 	for _, g := range rs.Groups {
@@ -83,9 +133,7 @@ func (rs *RuleSet) names(table Table) map[string]bool {
 	out := make(map[string]bool, len(rs.Shared[table]))
 	for _, g := range rs.Groups {
 		if g.Table == table {
-			for _, c := range g.Chains {
-				out[c.Name] = true
-			}
+			g.eachName(func(n string) { out[n] = true })
 		}
 	}
 	for name := range rs.Shared[table] {
@@ -128,11 +176,38 @@ func (s *WriteStats) add(o WriteStats) {
 	s.RestoreTime += o.RestoreTime
 }
 
+// chainRecord is what a Writer remembers of a chain it wrote: a
+// fingerprint of its rules (not their text, which is most of a large rule
+// set's size) and their number.
+type chainRecord struct {
+	sum   uint64
+	rules int
+}
+
+// fingerprinter hashes rule lists with a seed of its own: chains differ
+// when their fingerprints do. A 64-bit hash with a seed drawn at random
+// per Writer makes a collision between a chain's old and new rules (which
+// would leave the old rules in place until the next full write) about as
+// likely as a hardware fault, and impossible to arrange from Service
+// objects.
+type fingerprinter struct{ seed maphash.Seed }
+
+func (f fingerprinter) record(rules []string) chainRecord {
+	var h maphash.Hash
+	h.SetSeed(f.seed)
+	for _, r := range rules {
+		h.WriteString(r)
+		h.WriteByte('\n') // rules hold no newline
+	}
+	return chainRecord{sum: h.Sum64(), rules: len(rules)}
+}
+
 // section is one "*table ... COMMIT" part of a restore.
 type section struct {
 	table Table
-	// write are chains declared (so flushed) and then filled.
-	write []ChainRules
+	// write are the groups whose chains are declared (so flushed) and
+	// then filled.
+	write []ChainGroup
 	// unhook are rules of other chains to delete ("CHAIN args").
 	unhook []string
 	// delete are chains declared (so flushed) and then deleted.
@@ -141,37 +216,59 @@ type section struct {
 
 func (s *section) empty() bool { return len(s.write) == 0 && len(s.unhook) == 0 && len(s.delete) == 0 }
 
-// appendTo appends the section to buf and counts it in st.
-func (s *section) appendTo(buf *bytes.Buffer, st *WriteStats) {
+// appendTo appends the section to buf and counts it in st. Lazy groups
+// are rendered here, one at a time, and the records of their chains are
+// added to record when it is not nil.
+func (s *section) appendTo(buf *bytes.Buffer, st *WriteStats, fp fingerprinter, record map[Table]map[string]chainRecord) error {
 	if s.empty() {
-		return
+		return nil
 	}
-	fmt.Fprintf(buf, "*%s\n", s.table)
-	for _, c := range s.write {
-		fmt.Fprintf(buf, ":%s - [0:0]\n", c.Name)
+	buf.WriteString("*" + string(s.table) + "\n")
+	declare := func(name string) {
+		buf.WriteByte(':')
+		buf.WriteString(name)
+		buf.WriteString(" - [0:0]\n")
+	}
+	chains := 0
+	for i := range s.write {
+		s.write[i].eachName(declare)
+		chains += s.write[i].size()
 	}
 	for _, c := range s.delete {
-		fmt.Fprintf(buf, ":%s - [0:0]\n", c)
+		declare(c)
 	}
 	rules := 0
-	for _, c := range s.write {
-		for _, r := range c.Rules {
-			buf.WriteString("-A ")
-			buf.WriteString(c.Name)
-			buf.WriteByte(' ')
-			buf.WriteString(r)
-			buf.WriteByte('\n')
+	for i := range s.write {
+		g := &s.write[i]
+		list := g.Chains
+		if g.lazy() {
+			list = g.Render()
+			if !slices.EqualFunc(list, g.Names, func(c ChainRules, n string) bool { return c.Name == n }) {
+				return fmt.Errorf("iptables writer: a lazy group of chains %v rendered other chains", g.Names)
+			}
 		}
-		rules += len(c.Rules)
+		for _, c := range list {
+			for _, r := range c.Rules {
+				buf.WriteString("-A ")
+				buf.WriteString(c.Name)
+				buf.WriteByte(' ')
+				buf.WriteString(r)
+				buf.WriteByte('\n')
+			}
+			rules += len(c.Rules)
+			if g.lazy() && record != nil {
+				record[s.table][c.Name] = fp.record(c.Rules)
+			}
+		}
 	}
 	for _, r := range s.unhook {
-		fmt.Fprintf(buf, "-D %s\n", r)
+		buf.WriteString("-D " + r + "\n")
 	}
 	for _, c := range s.delete {
-		fmt.Fprintf(buf, "-X %s\n", c)
+		buf.WriteString("-X " + c + "\n")
 	}
 	buf.WriteString("COMMIT\n")
-	st.ChainsWritten += len(s.write)
+	st.ChainsWritten += chains
 	st.ChainsDeleted += len(s.delete)
 	st.RulesDeleted += len(s.unhook)
 	if len(s.write) > 0 {
@@ -181,11 +278,13 @@ func (s *section) appendTo(buf *bytes.Buffer, st *WriteStats) {
 		}
 		st.RulesWrittenByTable[s.table] += rules
 	}
+	return nil
 }
 
 // plannedRestore is one iptables-restore run. Its text is rendered when it
-// runs (or is asked for), one restore at a time: a full sync's text is tens
-// of megabytes at 10,000 services, and holding every batch at once would
+// runs (or is asked for), one restore at a time, into one buffer: a full
+// sync's text is tens of megabytes at 10,000 services, and holding every
+// batch at once (or every chain's rules, which lazy groups avoid) would
 // raise the peak memory by as much.
 type plannedRestore struct {
 	sections []section
@@ -203,16 +302,19 @@ func (r plannedRestore) empty() bool {
 	return true
 }
 
-// render returns the restore's input and what it writes.
-func (r plannedRestore) render() ([]byte, WriteStats) {
+// render writes the restore's input into buf (reset first) and returns
+// what it writes. Lazy groups' records go to record unless it is nil.
+func (r plannedRestore) render(buf *bytes.Buffer, fp fingerprinter, record map[Table]map[string]chainRecord) (WriteStats, error) {
 	var st WriteStats
-	var buf bytes.Buffer
+	buf.Reset()
 	for i := range r.sections {
-		r.sections[i].appendTo(&buf, &st)
+		if err := r.sections[i].appendTo(buf, &st, fp, record); err != nil {
+			return st, err
+		}
 	}
 	st.Restores = 1
 	st.Bytes = buf.Len()
-	return buf.Bytes(), st
+	return st, nil
 }
 
 // Plan is the iptables-restore input of one write: one or more restores,
@@ -221,29 +323,34 @@ type Plan struct {
 	// Full is true for a plan that writes every chain of its rule set.
 	Full     bool
 	restores []plannedRestore
-	// written and deleted are what the plan changes, by table, for the
-	// Writer's record.
-	written map[Table][]ChainRules
+	fp       fingerprinter
+	// written are the records of the chains the plan writes, by table;
+	// those of lazy groups are added as Apply renders them.
+	written map[Table]map[string]chainRecord
+	// deleted are the chains the plan deletes, by table; dropped the
+	// chains of the last write that the rule set lacks and that are not
+	// owned, which the Writer stops keeping a record of (and leaves be).
 	deleted map[Table][]string
+	dropped map[Table][]string
 }
 
 // String returns exactly the bytes the plan hands to iptables-restore,
-// its restores one after the other.
+// its restores one after the other (rendering lazy groups again).
 func (p *Plan) String() string {
-	var b strings.Builder
-	for _, r := range p.restores {
-		data, _ := r.render()
-		b.Write(data)
-	}
-	return b.String()
+	return strings.Join(p.Restores(), "")
 }
 
-// Restores returns the input of each restore, in order.
+// Restores returns the input of each restore, in order (rendering lazy
+// groups again); a lazy group that renders other chains than it names
+// ends the list.
 func (p *Plan) Restores() []string {
 	out := make([]string, 0, len(p.restores))
+	var buf bytes.Buffer
 	for _, r := range p.restores {
-		data, _ := r.render()
-		out = append(out, string(data))
+		if _, err := r.render(&buf, p.fp, nil); err != nil {
+			break
+		}
+		out = append(out, buf.String())
 	}
 	return out
 }
@@ -252,11 +359,12 @@ func (p *Plan) Restores() []string {
 func (p *Plan) Empty() bool { return len(p.restores) == 0 }
 
 // Stats is what the plan writes (RestoreTime aside) when every restore
-// succeeds.
+// succeeds (rendering lazy groups again).
 func (p *Plan) Stats() WriteStats {
 	var st WriteStats
+	var buf bytes.Buffer
 	for _, r := range p.restores {
-		_, rs := r.render()
+		rs, _ := r.render(&buf, p.fp, nil)
 		st.add(rs)
 	}
 	return st
@@ -266,14 +374,18 @@ func (p *Plan) Stats() WriteStats {
 // statistics count the restores tried.
 func (p *Plan) apply(ctx context.Context, iface Interface) (WriteStats, error) {
 	var st WriteStats
+	var buf bytes.Buffer
 	for _, r := range p.restores {
-		data, rs := r.render()
+		rs, err := r.render(&buf, p.fp, p.written)
+		if err != nil {
+			return st, err
+		}
 		st.add(rs)
 		start := time.Now()
-		err := iface.Restore(ctx, data)
+		err = iface.Restore(ctx, buf.Bytes())
 		st.RestoreTime += time.Since(start)
 		if err != nil {
-			return st, fmt.Errorf("iptables-restore (%d bytes): %w", len(data), err)
+			return st, fmt.Errorf("iptables-restore (%d bytes): %w", buf.Len(), err)
 		}
 	}
 	return st, nil
@@ -298,12 +410,14 @@ type WriterOptions struct {
 
 // Writer writes rule sets with iptables-restore --noflush and remembers
 // what it last wrote, so that a partial write carries only the chains whose
-// rules changed. It is not safe for concurrent use.
+// rules changed. It remembers a fingerprint of each chain's rules, not
+// their text. It is not safe for concurrent use.
 type Writer struct {
 	opts WriterOptions
-	// last holds the rules of every chain as last written; nil when
+	fp   fingerprinter
+	// last holds the record of every chain as last written; nil when
 	// unknown (before a write, after a failed one, after Forget).
-	last map[Table]map[string][]string
+	last map[Table]map[string]chainRecord
 }
 
 // NewWriter validates opts and returns a Writer. It touches nothing.
@@ -317,35 +431,34 @@ func NewWriter(opts WriterOptions) (*Writer, error) {
 	if len(opts.Tables) == 0 {
 		opts.Tables = []Table{TableNAT, TableFilter}
 	}
-	return &Writer{opts: opts}, nil
+	return &Writer{opts: opts, fp: fingerprinter{seed: maphash.MakeSeed()}}, nil
 }
 
 // Forget drops the record of the last write: the next write carries every
 // chain.
 func (w *Writer) Forget() { w.last = nil }
 
-// sameRules compares rule lists; lists sharing their backing array (a
-// chain handed over again unchanged) compare without reading the rules.
-func sameRules(a, b []string) bool {
-	if len(a) != len(b) {
-		return false
+// RuleCount is the number of rules in table's chains as last written
+// (after a successful write, the rules of its rule set's chains); 0 when
+// unknown.
+func (w *Writer) RuleCount(table Table) int {
+	n := 0
+	for _, r := range w.last[table] {
+		n += r.rules
 	}
-	if len(a) == 0 || &a[0] == &b[0] {
-		return true
-	}
-	return slices.Equal(a, b)
+	return n
 }
 
 // Plan works out the restores that bring the kernel from the last write to
 // rs. A full plan writes every chain of rs and deletes the owned chains
 // the kernel holds (ListChains) that rs lacks; a partial one writes only
-// the chains whose rules differ from the last write and deletes the owned
-// chains of the last write that rs lacks. Changed group chains come first,
-// in batches of about BatchChains chains while more than that remain (a
-// group whole in one batch); the last restore carries the rest of them,
-// the changed shared chains and every deletion, so that no jump ever
-// reaches a chain that is missing or not yet complete. Apply the plan
-// before planning another.
+// the chains whose rules differ from the last write (and the lazy groups
+// it has no record of) and deletes the owned chains of the last write that
+// rs lacks. Changed group chains come first, in batches of about
+// BatchChains chains while more than that remain (a group whole in one
+// batch); the last restore carries the rest of them, the changed shared
+// chains and every deletion, so that no jump ever reaches a chain that is
+// missing or not yet complete. Apply the plan before planning another.
 func (w *Writer) Plan(ctx context.Context, rs *RuleSet, full bool) (*Plan, error) {
 	for _, g := range rs.Groups {
 		if !slices.Contains(w.opts.Tables, g.Table) {
@@ -357,21 +470,45 @@ func (w *Writer) Plan(ctx context.Context, rs *RuleSet, full bool) (*Plan, error
 			return nil, fmt.Errorf("iptables writer: shared chains in table %s, which it does not write", t)
 		}
 	}
-	p := &Plan{Full: full, written: map[Table][]ChainRules{}, deleted: map[Table][]string{}}
+	p := &Plan{Full: full, fp: w.fp, written: map[Table]map[string]chainRecord{}, deleted: map[Table][]string{}, dropped: map[Table][]string{}}
+	for _, t := range w.opts.Tables {
+		p.written[t] = map[string]chainRecord{}
+	}
 	// known counts, per table, the chains of rs that the last write had:
 	// fewer than the last write's chains means some are no longer wanted.
 	known := map[Table]int{}
+	// changed records c when it is to be written.
 	changed := func(table Table, c ChainRules) bool {
+		rec := w.fp.record(c.Rules)
 		prev, ok := w.last[table][c.Name]
 		if ok {
 			known[table]++
 		}
-		return full || !ok || !sameRules(prev, c.Rules)
+		if full || !ok || prev != rec {
+			p.written[table][c.Name] = rec
+			return true
+		}
+		return false
 	}
 
 	var groups []ChainGroup
 	pending := 0
 	for _, g := range rs.Groups {
+		if g.lazy() {
+			write := full
+			for _, name := range g.Names {
+				if _, ok := w.last[g.Table][name]; ok {
+					known[g.Table]++
+				} else {
+					write = true
+				}
+			}
+			if write {
+				groups = append(groups, g)
+				pending += len(g.Names)
+			}
+			continue
+		}
 		var out []ChainRules
 		for _, c := range g.Chains {
 			if changed(g.Table, c) {
@@ -380,7 +517,6 @@ func (w *Writer) Plan(ctx context.Context, rs *RuleSet, full bool) (*Plan, error
 		}
 		if len(out) > 0 {
 			groups = append(groups, ChainGroup{Table: g.Table, Chains: out})
-			p.written[g.Table] = append(p.written[g.Table], out...)
 			pending += len(out)
 		}
 	}
@@ -396,7 +532,6 @@ func (w *Writer) Plan(ctx context.Context, rs *RuleSet, full bool) (*Plan, error
 				shared[t] = append(shared[t], c)
 			}
 		}
-		p.written[t] = append(p.written[t], shared[t]...)
 	}
 
 	for _, t := range w.opts.Tables {
@@ -417,8 +552,12 @@ func (w *Writer) Plan(ctx context.Context, rs *RuleSet, full bool) (*Plan, error
 		}
 		wanted := rs.names(t)
 		for _, name := range candidates {
-			if !wanted[name] && w.opts.Owned(t, name) {
+			switch {
+			case wanted[name]:
+			case w.opts.Owned(t, name):
 				p.deleted[t] = append(p.deleted[t], name)
+			case !full:
+				p.dropped[t] = append(p.dropped[t], name)
 			}
 		}
 		slices.Sort(p.deleted[t])
@@ -434,8 +573,8 @@ func (w *Writer) Plan(ctx context.Context, rs *RuleSet, full bool) (*Plan, error
 		if limit <= 0 || pending <= limit {
 			continue
 		}
-		pending -= len(g.Chains)
-		if batched += len(g.Chains); batched >= limit {
+		pending -= g.size()
+		if batched += g.size(); batched >= limit {
 			p.restores = append(p.restores, newRestore(w.sections(batch, nil, nil)))
 			batch, batched = nil, 0
 		}
@@ -454,10 +593,12 @@ func (w *Writer) sections(groups []ChainGroup, shared map[Table][]ChainRules, de
 		s := section{table: t, delete: deleted[t]}
 		for _, g := range groups {
 			if g.Table == t {
-				s.write = append(s.write, g.Chains...)
+				s.write = append(s.write, g)
 			}
 		}
-		s.write = append(s.write, shared[t]...)
+		if len(shared[t]) > 0 {
+			s.write = append(s.write, ChainGroup{Table: t, Chains: shared[t]})
+		}
 		out = append(out, s)
 	}
 	return out
@@ -474,19 +615,24 @@ func (w *Writer) Apply(ctx context.Context, p *Plan) (WriteStats, error) {
 		return st, err
 	}
 	if p.Full || w.last == nil {
-		w.last = map[Table]map[string][]string{}
+		w.last = map[Table]map[string]chainRecord{}
 	}
 	for t, chains := range p.written {
-		if w.last[t] == nil {
-			w.last[t] = make(map[string][]string, len(chains))
+		if len(chains) == 0 {
+			continue
 		}
-		for _, c := range chains {
-			w.last[t][c.Name] = c.Rules
+		if w.last[t] == nil {
+			w.last[t] = make(map[string]chainRecord, len(chains))
+		}
+		for name, rec := range chains {
+			w.last[t][name] = rec
 		}
 	}
-	for t, names := range p.deleted {
-		for _, name := range names {
-			delete(w.last[t], name)
+	for _, m := range []map[Table][]string{p.deleted, p.dropped} {
+		for t, names := range m {
+			for _, name := range names {
+				delete(w.last[t], name)
+			}
 		}
 	}
 	return st, nil

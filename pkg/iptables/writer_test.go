@@ -309,3 +309,104 @@ func TestEnsureJumpRules(t *testing.T) {
 		}
 	}
 }
+
+// lazyRuleSet is testRuleSet(svcs...) with its groups given lazily; renders
+// counts the calls to their Render functions, and rules overrides the
+// rules of T-EP-i.
+func lazyRuleSet(renders *int, rules map[int]string, svcs ...int) *RuleSet {
+	rs := testRuleSet(svcs...)
+	for i, g := range rs.Groups {
+		chains := g.Chains
+		names := []string{chains[0].Name, chains[1].Name}
+		svc := svcs[i]
+		rs.Groups[i] = ChainGroup{Table: g.Table, Names: names, Render: func() []ChainRules {
+			*renders++
+			out := slices.Clone(chains)
+			if r, ok := rules[svc]; ok {
+				out[0].Rules = []string{r}
+			}
+			return out
+		}}
+	}
+	return rs
+}
+
+func TestWriterLazyGroups(t *testing.T) {
+	ctx := context.Background()
+	fake := iptablestest.NewFake(ProtocolIPv4)
+	w, err := NewWriter(WriterOptions{IPTables: fake, Owned: ownedByTest, BatchChains: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	renders := 0
+	write := func(step string, rs *RuleSet, full bool, wantRenders, wantChains int) {
+		t.Helper()
+		renders = 0
+		st, err := w.Write(ctx, rs, full)
+		if err != nil {
+			t.Fatalf("%s: %v", step, err)
+		}
+		if renders != wantRenders || st.ChainsWritten != wantChains {
+			t.Errorf("%s: %d renders and %d chains written, want %d and %d", step, renders, st.ChainsWritten, wantRenders, wantChains)
+		}
+		if got, want := w.RuleCount(TableNAT)+w.RuleCount(TableFilter), 2*len(rs.Groups)+len(rs.Groups)+1; got != want {
+			t.Errorf("%s: writer counts %d rules, want %d", step, got, want)
+		}
+	}
+
+	// A full write renders every lazy group once, batch by batch.
+	write("full", lazyRuleSet(&renders, nil, 1, 2, 3), true, 3, 8)
+	checkWritten(t, fake, testRuleSet(1, 2, 3))
+	// A partial write takes lazy groups as unchanged.
+	write("partial, nothing changed", lazyRuleSet(&renders, nil, 1, 2, 3), false, 0, 0)
+	// A new lazy group is written; an eager group is compared with the
+	// record of a lazy one.
+	rs := lazyRuleSet(&renders, nil, 1, 2, 4)
+	rs.Groups[1] = testRuleSet(2).Groups[0]
+	rs.Groups[1].Chains[0].Rules = []string{"-p tcp -j DNAT --to-destination 10.1.9.9:80"}
+	write("partial, a new group and a changed one", rs, false, 1, 4)
+	want := testRuleSet(1, 2, 4)
+	want.Groups[1].Chains[0].Rules = rs.Groups[1].Chains[0].Rules
+	checkWritten(t, fake, want)
+	// After Forget, lazy groups are written again, even in a partial write.
+	w.Forget()
+	write("partial after Forget", lazyRuleSet(&renders, map[int]string{2: "-j RETURN"}, 1, 2, 4), false, 3, 8)
+	want.Groups[1].Chains[0].Rules = []string{"-j RETURN"}
+	checkWritten(t, fake, want)
+
+	// A lazy group that renders other chains than it names fails the write.
+	bad := testRuleSet(5)
+	bad.Groups[0] = ChainGroup{Table: TableNAT, Names: []string{"T-EP-5", "T-SVC-5"}, Render: func() []ChainRules {
+		return []ChainRules{{Name: "T-EP-5"}}
+	}}
+	if _, err := w.Write(ctx, bad, false); err == nil {
+		t.Error("a lazy group rendering other chains was written")
+	}
+}
+
+func TestWriterDropsRecordOfUnownedChains(t *testing.T) {
+	ctx := context.Background()
+	fake := iptablestest.NewFake(ProtocolIPv4)
+	w, err := NewWriter(WriterOptions{IPTables: fake, Owned: ownedByTest})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rs := testRuleSet(1)
+	rs.SetShared(TableNAT, "OTHER", []string{"-j RETURN", "-j RETURN"})
+	if _, err := w.Write(ctx, rs, true); err != nil {
+		t.Fatal(err)
+	}
+	if got := w.RuleCount(TableNAT); got != 5 {
+		t.Errorf("nat rules after the first write: %d, want 5", got)
+	}
+	st, err := w.Write(ctx, testRuleSet(1), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.ChainsDeleted != 0 || !slices.Contains(fake.Chains(TableNAT), "OTHER") {
+		t.Errorf("a chain the writer does not own was deleted (%d deletions)", st.ChainsDeleted)
+	}
+	if got := w.RuleCount(TableNAT); got != 3 {
+		t.Errorf("nat rules after dropping OTHER: %d, want 3", got)
+	}
+}

@@ -3,8 +3,6 @@ package proxy
 import (
 	"cmp"
 	"fmt"
-	"maps"
-	"net/netip"
 	"slices"
 	"sync"
 
@@ -38,17 +36,49 @@ type EndpointSliceCache struct {
 	services map[types.NamespacedName]*sliceTracker
 }
 
-// sliceTracker holds one service's slices by slice name: applied is what the
-// last Apply saw, pending the updates since.
+// sliceTracker holds one service's slices: applied is what the last Apply
+// saw, sorted by slice name (most services have one slice: a map would
+// cost ten times its size), pending the updates since, by slice name (nil
+// when none).
 type sliceTracker struct {
-	applied map[string]*sliceInfo
+	applied []namedSlice
 	pending map[string]*sliceInfo
+}
+
+type namedSlice struct {
+	name string
+	info *sliceInfo
+}
+
+// find returns the applied slice called name.
+func (t *sliceTracker) find(name string) (*sliceInfo, bool) {
+	i, ok := slices.BinarySearchFunc(t.applied, name, func(e namedSlice, n string) int { return cmp.Compare(e.name, n) })
+	if !ok {
+		return nil, false
+	}
+	return t.applied[i].info, true
+}
+
+// set makes info the applied slice called name; nil removes it.
+func (t *sliceTracker) set(name string, info *sliceInfo) {
+	i, ok := slices.BinarySearchFunc(t.applied, name, func(e namedSlice, n string) int { return cmp.Compare(e.name, n) })
+	switch {
+	case ok && info == nil:
+		t.applied = slices.Delete(t.applied, i, i+1)
+	case ok:
+		t.applied[i].info = info
+	case info != nil:
+		t.applied = slices.Insert(t.applied, i, namedSlice{name, info})
+	}
 }
 
 // sliceInfo is the part of an EndpointSlice that matters to the dataplane.
 type sliceInfo struct {
-	ports     []slicePort
-	endpoints []*Endpoint // Port unset; one per usable endpoint, slice order
+	ports []slicePort
+	// endpoints are one per usable endpoint, in slice order, with the
+	// first port's number: the endpoints of that port (most slices have
+	// one) are these very objects, which are never modified.
+	endpoints []*Endpoint
 	remove    bool
 }
 
@@ -117,10 +147,10 @@ func (c *EndpointSliceCache) updatePending(slice *discovery.EndpointSlice, remov
 	defer c.mu.Unlock()
 	tracker, ok := c.services[nn]
 	if !ok {
-		tracker = &sliceTracker{applied: map[string]*sliceInfo{}, pending: map[string]*sliceInfo{}}
+		tracker = &sliceTracker{}
 		c.services[nn] = tracker
 	}
-	applied, isApplied := tracker.applied[slice.Name]
+	applied, isApplied := tracker.find(slice.Name)
 	old, isPending := tracker.pending[slice.Name]
 
 	switch {
@@ -132,6 +162,9 @@ func (c *EndpointSliceCache) updatePending(slice *discovery.EndpointSlice, remov
 		delete(tracker.pending, slice.Name)
 	default:
 		changed = true
+		if tracker.pending == nil {
+			tracker.pending = map[string]*sliceInfo{}
+		}
 		tracker.pending[slice.Name] = info
 	}
 	pending = len(tracker.pending) > 0
@@ -167,12 +200,11 @@ func (c *EndpointSliceCache) checkoutChanges() map[types.NamespacedName]*endpoin
 		change := &endpointsChange{previous: c.endpointsMapOf(nn, tracker.applied)}
 		for name, info := range tracker.pending {
 			if info.remove {
-				delete(tracker.applied, name)
-			} else {
-				tracker.applied[name] = info
+				info = nil
 			}
+			tracker.set(name, info)
 		}
-		clear(tracker.pending)
+		tracker.pending = nil
 		if len(tracker.applied) == 0 {
 			delete(c.services, nn)
 		}
@@ -198,36 +230,53 @@ func (c *EndpointSliceCache) EndpointsMap(nn types.NamespacedName) EndpointsMap 
 // unless that one is terminating and the later one is not (an IP reused by a
 // new pod while the old one terminates). Lists are sorted by IP then port;
 // ports without endpoints are omitted.
-func (c *EndpointSliceCache) endpointsMapOf(nn types.NamespacedName, slicesByName map[string]*sliceInfo) EndpointsMap {
-	byPort := make(map[ServicePortName]map[netip.AddrPort]*Endpoint)
-	for _, sliceName := range slices.Sorted(maps.Keys(slicesByName)) {
-		info := slicesByName[sliceName]
-		for _, p := range info.ports {
+func (c *EndpointSliceCache) endpointsMapOf(nn types.NamespacedName, applied []namedSlice) EndpointsMap {
+	// A service has a port or two: a list beats a map.
+	type portList struct {
+		name ServicePortName
+		eps  []*Endpoint
+	}
+	var ports []portList
+	for _, s := range applied {
+		for _, p := range s.info.ports {
 			spn := ServicePortName{NamespacedName: nn, Port: p.name, Protocol: p.protocol}
-			set := byPort[spn]
-			if set == nil {
-				set = make(map[netip.AddrPort]*Endpoint)
-				byPort[spn] = set
+			i := slices.IndexFunc(ports, func(l portList) bool { return l.name == spn })
+			if i < 0 {
+				ports = append(ports, portList{name: spn, eps: make([]*Endpoint, 0, len(s.info.endpoints))})
+				i = len(ports) - 1
 			}
-			for _, tmpl := range info.endpoints {
-				key := netip.AddrPortFrom(tmpl.IP, uint16(p.port))
-				if existing, dup := set[key]; dup && !(existing.Terminating && !tmpl.Terminating) {
-					continue
+			for _, tmpl := range s.info.endpoints {
+				ep := tmpl
+				if ep.Port != p.port {
+					cp := *tmpl
+					cp.Port = p.port
+					ep = &cp
 				}
-				ep := *tmpl
-				ep.Port = p.port
-				set[key] = &ep
+				ports[i].eps = append(ports[i].eps, ep)
 			}
 		}
 	}
-	out := make(EndpointsMap, len(byPort))
-	for spn, set := range byPort {
-		if len(set) == 0 {
+	out := make(EndpointsMap, len(ports))
+	for _, l := range ports {
+		if len(l.eps) == 0 {
 			continue
 		}
-		list := slices.Collect(maps.Values(set))
-		slices.SortFunc(list, compareEndpoints)
-		out[spn] = list
+		// A stable sort keeps duplicates in slice order, next to each other.
+		list := l.eps
+		slices.SortStableFunc(list, compareEndpoints)
+		kept := 0
+		for _, ep := range list {
+			if kept > 0 && compareEndpoints(list[kept-1], ep) == 0 {
+				if list[kept-1].Terminating && !ep.Terminating {
+					list[kept-1] = ep
+				}
+				continue
+			}
+			list[kept] = ep
+			kept++
+		}
+		clear(list[kept:])
+		out[l.name] = slices.Clip(list[:kept])
 	}
 	return out
 }
@@ -267,6 +316,11 @@ func (c *EndpointSliceCache) newSliceInfo(slice *discovery.EndpointSlice, remove
 	slices.SortFunc(info.ports, func(a, b slicePort) int {
 		return cmp.Or(cmp.Compare(a.name, b.name), cmp.Compare(a.protocol, b.protocol), cmp.Compare(a.port, b.port))
 	})
+	firstPort := 0
+	if len(info.ports) > 0 {
+		firstPort = info.ports[0].port
+	}
+	info.endpoints = make([]*Endpoint, 0, len(slice.Endpoints))
 	for i := range slice.Endpoints {
 		e := &slice.Endpoints[i]
 		if len(e.Addresses) == 0 {
@@ -285,6 +339,7 @@ func (c *EndpointSliceCache) newSliceInfo(slice *discovery.EndpointSlice, remove
 		ready := e.Conditions.Ready == nil || *e.Conditions.Ready
 		ep := &Endpoint{
 			IP:          addr,
+			Port:        firstPort,
 			Ready:       ready,
 			Serving:     true, // nil serving means serving, as upstream reads it
 			Terminating: e.Conditions.Terminating != nil && *e.Conditions.Terminating,

@@ -34,8 +34,8 @@ type ServiceChangeTracker struct {
 
 // serviceChange is the coalesced change of one service since the last Apply.
 type serviceChange struct {
-	previous ServicePortMap
-	current  ServicePortMap
+	previous servicePorts
+	current  servicePorts
 	// currentProblems are the problems of the Service last given as
 	// current: the old object of the next update.
 	currentProblems []ServiceProblem
@@ -78,7 +78,7 @@ func (t *ServiceChangeTracker) Update(previous, current *v1.Service) (pending bo
 		return t.hasPending(), nil
 	}
 	nn := types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}
-	currentPorts, currentProblems := ParseService(current, t.family)
+	currentPorts, currentProblems := parseServicePorts(current, t.family)
 
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -89,7 +89,7 @@ func (t *ServiceChangeTracker) Update(previous, current *v1.Service) (pending bo
 		previousProblems = change.currentProblems
 	} else {
 		change = &serviceChange{}
-		change.previous, previousProblems = ParseService(previous, t.family)
+		change.previous, previousProblems = parseServicePorts(previous, t.family)
 		t.items[nn] = change
 	}
 	change.current = currentPorts
@@ -150,8 +150,9 @@ func (t *ServiceChangeTracker) Apply(m ServicePortMap) UpdateServiceMapResult {
 	}
 	for nn, change := range items {
 		result.UpdatedServices.Insert(nn)
-		for name, old := range change.previous {
-			cur, stays := change.current[name]
+		for _, old := range change.previous {
+			name := old.Name
+			cur, stays := change.current.find(name)
 			if old.Protocol == v1.ProtocolUDP && old.ClusterIP.IsValid() && (!stays || cur.ClusterIP != old.ClusterIP) {
 				result.DeletedUDPClusterIPs.Insert(old.ClusterIP.String())
 			}
@@ -160,9 +161,9 @@ func (t *ServiceChangeTracker) Apply(m ServicePortMap) UpdateServiceMapResult {
 				delete(m, name)
 			}
 		}
-		for name, sp := range change.current {
-			t.logger.V(4).Info("Setting service port", "servicePort", name)
-			m[name] = sp
+		for _, sp := range change.current {
+			t.logger.V(4).Info("Setting service port", "servicePort", sp.Name)
+			m[sp.Name] = sp
 		}
 	}
 	return result

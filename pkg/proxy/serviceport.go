@@ -76,6 +76,49 @@ func ShouldSkipService(svc *v1.Service) (skip bool, reason string) {
 // The returned ServicePorts may share slices with each other; treat them as
 // read-only.
 func ParseService(svc *v1.Service, family v1.IPFamily) (ServicePortMap, []ServiceProblem) {
+	list, problems := parseServicePorts(svc, family)
+	if list == nil {
+		return nil, problems
+	}
+	m := make(ServicePortMap, len(list))
+	for _, sp := range list {
+		m[sp.Name] = sp
+	}
+	return m, problems
+}
+
+// servicePorts are one Service's ports, in spec order, each name once: a
+// Service has a port or two, and a list is a tenth of a map's size.
+type servicePorts []*ServicePort
+
+// find returns the port called name.
+func (l servicePorts) find(name ServicePortName) (*ServicePort, bool) {
+	for _, sp := range l {
+		if sp.Name == name {
+			return sp, true
+		}
+	}
+	return nil, false
+}
+
+// equal reports whether two lists hold equal ServicePorts under the same
+// names, in any order.
+func (l servicePorts) equal(o servicePorts) bool {
+	if len(l) != len(o) {
+		return false
+	}
+	for _, sp := range l {
+		osp, ok := o.find(sp.Name)
+		if !ok || !sp.equal(osp) {
+			return false
+		}
+	}
+	return true
+}
+
+// parseServicePorts is ParseService with the ports as a list (nil when
+// none); of two ports with the same name, the last one counts.
+func parseServicePorts(svc *v1.Service, family v1.IPFamily) (servicePorts, []ServiceProblem) {
 	if skip, _ := ShouldSkipService(svc); skip {
 		return nil, nil
 	}
@@ -131,7 +174,7 @@ func ParseService(svc *v1.Service, family v1.IPFamily) (ServicePortMap, []Servic
 	}
 
 	nn := types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}
-	ports := make(ServicePortMap, len(svc.Spec.Ports))
+	ports := make(servicePorts, 0, len(svc.Spec.Ports))
 	for i := range svc.Spec.Ports {
 		sp := &svc.Spec.Ports[i]
 		protocol := sp.Protocol
@@ -139,7 +182,7 @@ func ParseService(svc *v1.Service, family v1.IPFamily) (ServicePortMap, []Servic
 			protocol = v1.ProtocolTCP
 		}
 		name := ServicePortName{NamespacedName: nn, Port: sp.Name, Protocol: protocol}
-		ports[name] = &ServicePort{
+		port := &ServicePort{
 			Name:                     name,
 			ClusterIP:                clusterIP,
 			Port:                     int(sp.Port),
@@ -156,6 +199,11 @@ func ParseService(svc *v1.Service, family v1.IPFamily) (ServicePortMap, []Servic
 			TrafficDistribution:      trafficDistribution,
 			TopologyKeys:             topologyKeys,
 			TopologyKeysError:        topologyKeysErr,
+		}
+		if i := slices.IndexFunc(ports, func(o *ServicePort) bool { return o.Name == name }); i >= 0 {
+			ports[i] = port
+		} else {
+			ports = append(ports, port)
 		}
 	}
 	return ports, p.list

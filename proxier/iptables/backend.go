@@ -250,13 +250,18 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, full bool) e
 	r := &renderer{ipv6: b.ipv6, clusterCIDR: state.Options.ClusterCIDR}
 
 	// Render the services this sync concerns; the others keep what was
-	// rendered before.
+	// rendered before. Their own chains' rules are handed to the writer
+	// lazily, rendered again only when written (a full sync writes them
+	// all, batch by batch), except those of the services rendered in a
+	// partial sync, which the writer compares with what it wrote.
 	next := make(map[proxy.ServicePortName]*renderedService, len(state.Services))
+	var fresh map[proxy.ServicePortName][]ipt.ChainRules
 	if full {
 		for name, st := range state.Services {
 			next[name] = r.render(st)
 		}
 	} else {
+		fresh = map[proxy.ServicePortName][]ipt.ChainRules{}
 		for name, rs := range b.services {
 			if _, ok := state.Services[name]; ok || !state.Changed.Has(name.NamespacedName) {
 				next[name] = rs
@@ -267,6 +272,7 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, full bool) e
 				continue
 			}
 			next[name] = r.render(st)
+			fresh[name] = r.natChains(r.layout(st), true)
 		}
 	}
 
@@ -278,14 +284,14 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, full bool) e
 	// Each service port's chains are one group (they jump to each other);
 	// the writer leaves out what did not change since its last write.
 	names := proxy.SortedServicePortNames(next)
-	rules := ipt.NewRuleSet()
+	rules := &ipt.RuleSet{Groups: make([]ipt.ChainGroup, 0, len(names))}
 	for _, name := range names {
-		chains := next[name].natChains
-		group := make([]ipt.ChainRules, 0, len(chains))
-		for _, chain := range sortedChainNames(chains) {
-			group = append(group, ipt.ChainRules{Name: chain, Rules: chains[chain]})
+		if chains, ok := fresh[name]; ok {
+			rules.AddGroup(ipt.TableNAT, chains...)
+			continue
 		}
-		rules.AddGroup(ipt.TableNAT, group...)
+		rs := next[name]
+		rules.AddLazyGroup(ipt.TableNAT, rs.natChains, func() []ipt.ChainRules { return r.natChains(r.layout(rs.state), true) })
 	}
 	rules.Shared = b.renderGlobal(names, next, addrs)
 	written, err := b.writer.Write(ctx, rules, full)
@@ -295,7 +301,7 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, full bool) e
 	b.services = next
 	stats := SyncStats{
 		Full: full, WriteStats: written,
-		NATRules: rules.RuleCount(ipt.TableNAT), FilterRules: rules.RuleCount(ipt.TableFilter),
+		NATRules: b.writer.RuleCount(ipt.TableNAT), FilterRules: b.writer.RuleCount(ipt.TableFilter),
 	}
 	b.last = stats
 	logger.V(2).Info("Synced iptables rules", "family", state.Family, "full", full, "services", len(next),
@@ -311,15 +317,6 @@ func isBaseChain(table ipt.Table, chain string) bool {
 		}
 	}
 	return false
-}
-
-func sortedChainNames(m map[string][]string) []string {
-	out := make([]string, 0, len(m))
-	for c := range m {
-		out = append(out, c)
-	}
-	sort.Strings(out)
-	return out
 }
 
 // renderGlobal renders the chains shared by all services from the rendered

@@ -40,8 +40,23 @@ const (
 // 16 base32 characters of a hash of the port name and protocol (27 characters
 // at most; iptables allows 28).
 func servicePortChain(kind string, name proxy.ServicePortName) string {
+	return servicePortChains(name).chain(kind)
+}
+
+// portChainHash is the hash part of a service port's chain names.
+type portChainHash [16]byte
+
+// servicePortChains hashes a service port's name once for all its chains.
+func servicePortChains(name proxy.ServicePortName) portChainHash {
 	sum := sha256.Sum256([]byte(name.String() + "/" + strings.ToLower(string(name.Protocol))))
-	return chainPrefix + kind + "-" + base32.StdEncoding.EncodeToString(sum[:])[:16]
+	var enc [56]byte
+	base32.StdEncoding.Encode(enc[:], sum[:])
+	return portChainHash(enc[:16])
+}
+
+// chain is the port's chain of kind.
+func (h portChainHash) chain(kind string) string {
+	return chainPrefix + kind + "-" + string(h[:])
 }
 
 // recentName is the -m recent list of one endpoint of one service port, for

@@ -3,6 +3,7 @@ package iptables
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -11,10 +12,17 @@ import (
 )
 
 // renderedService is everything one service port contributes to the
-// ruleset. Rule bodies are the text after "-A CHAIN".
+// ruleset but the rules of its own chains, which are rendered again from
+// state when the writer needs them (renderer.natChains): at 10,000 services
+// those rules are most of the rule set's text, and keeping them between
+// syncs would double kproxy's memory. Rule bodies are the text after
+// "-A CHAIN".
 type renderedService struct {
-	// natChains are the port's own chains (SVC, SVL, EXT, FW) in nat.
-	natChains map[string][]string
+	// state is the service port the rules were rendered from.
+	state *proxy.ServiceState
+	// natChains names the port's own chains (SVC, SVL, EXT, FW) in nat,
+	// sorted.
+	natChains []string
 	// natServices go into the nat dispatch tree keyed on destination;
 	// natNodePorts into the nat node-port tree.
 	natServices  []dispatchRule
@@ -95,44 +103,75 @@ func delivers(d *proxy.ServiceDecisions, kind proxy.DestinationKind) bool {
 	return false
 }
 
-func (r *renderer) render(st *proxy.ServiceState) *renderedService {
-	out := &renderedService{natChains: map[string][]string{}}
-	d := &st.Decisions
-	name := st.Name
-	nameStr := name.String()
-	proto := strings.ToLower(string(st.Protocol))
-	pm := protoMatch(proto)
-	port := strconv.Itoa(st.Port)
-
-	policyChain := map[proxy.EndpointSelection]string{
-		proxy.SelectCluster: servicePortChain(kindCluster, name),
-		proxy.SelectLocal:   servicePortChain(kindLocal, name),
-	}
-	extChain := servicePortChain(kindExternal, name)
-	fwChain := servicePortChain(kindFirewall, name)
-
+// portLayout is what both halves of a port's rendering (render and
+// natChains) derive from its decisions: its chains and which of them it
+// uses.
+type portLayout struct {
+	st      *proxy.ServiceState
+	d       *proxy.ServiceDecisions
+	nameStr string
+	pm      string // protocol match
+	port    string
+	// policyChain is the chain of each endpoint selection.
+	policyChain       [proxy.SelectLocal + 1]string
+	extChain, fwChain string
+	// lbChain is where LoadBalancer IPs jump: fwChain when it is used.
+	lbChain string
 	// The external kinds share one decision row (and so one EXT chain):
 	// the first one the port has.
-	extKind, hasExt := proxy.DestinationKind(0), false
+	extKind      proxy.DestinationKind
+	hasExt       bool
+	usesExtChain bool
+	usesFWChain  bool
+	// cip is the ClusterIP decision of SourceOther; cipMatch its match.
+	cip      proxy.Decision
+	cipMatch string
+}
+
+// layout works out st's portLayout.
+func (r *renderer) layout(st *proxy.ServiceState) *portLayout {
+	l := &portLayout{st: st, d: &st.Decisions, nameStr: st.Name.String(), port: strconv.Itoa(st.Port)}
+	d := l.d
+	l.pm = protoMatch(strings.ToLower(string(st.Protocol)))
+	h := servicePortChains(st.Name)
+	l.policyChain[proxy.SelectCluster] = h.chain(kindCluster)
+	l.policyChain[proxy.SelectLocal] = h.chain(kindLocal)
+	l.extChain = h.chain(kindExternal)
+	l.fwChain = h.chain(kindFirewall)
 	for _, k := range proxy.DestinationKinds[1:] {
 		if d.Has(k) {
-			extKind, hasExt = k, true
+			l.extKind, l.hasExt = k, true
 			break
 		}
 	}
-	usesExtChain := hasExt && delivers(d, extKind)
-	usesFWChain := usesExtChain && d.Firewall != nil && d.Has(proxy.DestLoadBalancerIP)
-	lbChain := extChain
-	if usesFWChain {
-		lbChain = fwChain
+	l.usesExtChain = l.hasExt && delivers(d, l.extKind)
+	l.usesFWChain = l.usesExtChain && d.Firewall != nil && d.Has(proxy.DestLoadBalancerIP)
+	l.lbChain = l.extChain
+	if l.usesFWChain {
+		l.lbChain = l.fwChain
 	}
-
 	// ClusterIP: every class goes to the same policy chain (only
 	// masquerading differs by class, inside that chain).
-	cip := d.For(proxy.DestClusterIP, proxy.SourceOther)
-	cipMatch := comment(nameStr+" cluster IP") + " " + pm + " -d " + hostAddr(st.ClusterIP) + " --dport " + port
-	if cip.Verdict == proxy.VerdictDeliver {
-		out.natServices = append(out.natServices, dispatchRule{addrBucket(st.ClusterIP), cipMatch + " -j " + policyChain[cip.Endpoints]})
+	l.cip = d.For(proxy.DestClusterIP, proxy.SourceOther)
+	l.cipMatch = comment(l.nameStr+" cluster IP") + " " + l.pm + " -d " + hostAddr(st.ClusterIP) + " --dport " + l.port
+	return l
+}
+
+// render renders what a port contributes to the shared chains, and names
+// its own chains.
+func (r *renderer) render(st *proxy.ServiceState) *renderedService {
+	l := r.layout(st)
+	out := &renderedService{state: st}
+	chains := r.natChains(l, false)
+	out.natChains = make([]string, 0, len(chains))
+	for _, c := range chains {
+		out.natChains = append(out.natChains, c.Name)
+	}
+	d := l.d
+	nameStr, pm, port := l.nameStr, l.pm, l.port
+
+	if l.cip.Verdict == proxy.VerdictDeliver {
+		out.natServices = append(out.natServices, dispatchRule{addrBucket(st.ClusterIP), l.cipMatch + " -j " + l.policyChain[l.cip.Endpoints]})
 	}
 	if target, why := filterVerdict(d, proxy.DestClusterIP); target != "" {
 		out.filterServices = append(out.filterServices, dispatchRule{addrBucket(st.ClusterIP),
@@ -141,8 +180,8 @@ func (r *renderer) render(st *proxy.ServiceState) *renderedService {
 
 	// ExternalIPs and LoadBalancer IPs.
 	extTarget, extWhy := "", ""
-	if hasExt {
-		extTarget, extWhy = filterVerdict(d, extKind)
+	if l.hasExt {
+		extTarget, extWhy = filterVerdict(d, l.extKind)
 	}
 	for _, a := range []struct {
 		kind  proxy.DestinationKind
@@ -150,16 +189,16 @@ func (r *renderer) render(st *proxy.ServiceState) *renderedService {
 		what  string
 		chain string
 	}{
-		{proxy.DestExternalIP, st.ExternalIPs, " external IP", extChain},
-		{proxy.DestLoadBalancerIP, st.LoadBalancerVIPs, " loadbalancer IP", lbChain},
+		{proxy.DestExternalIP, st.ExternalIPs, " external IP", l.extChain},
+		{proxy.DestLoadBalancerIP, st.LoadBalancerVIPs, " loadbalancer IP", l.lbChain},
 	} {
 		for _, ip := range a.ips {
 			m := pm + " -d " + hostAddr(ip) + " --dport " + port
-			if usesExtChain {
+			if l.usesExtChain {
 				out.natServices = append(out.natServices, dispatchRule{addrBucket(ip), comment(nameStr+a.what) + " " + m + " -j " + a.chain})
 			}
-			if a.kind == proxy.DestLoadBalancerIP && usesFWChain {
-				out.filterFirewall = append(out.filterFirewall, comment(nameStr+" traffic not accepted by "+fwChain)+" "+m+" -j DROP")
+			if a.kind == proxy.DestLoadBalancerIP && l.usesFWChain {
+				out.filterFirewall = append(out.filterFirewall, comment(nameStr+" traffic not accepted by "+l.fwChain)+" "+m+" -j DROP")
 			}
 			if extTarget != "" {
 				out.filterExternal = append(out.filterExternal, dispatchRule{addrBucket(ip), comment(nameStr+extWhy) + " " + m + " -j " + extTarget})
@@ -170,9 +209,9 @@ func (r *renderer) render(st *proxy.ServiceState) *renderedService {
 	// NodePort.
 	if d.Has(proxy.DestNodePort) {
 		np := strconv.Itoa(st.NodePort)
-		if usesExtChain {
+		if l.usesExtChain {
 			out.natNodePorts = append(out.natNodePorts, dispatchRule{portBucket(st.Protocol, st.NodePort),
-				comment(nameStr) + " " + pm + " --dport " + np + " -j " + extChain})
+				comment(nameStr) + " " + pm + " --dport " + np + " -j " + l.extChain})
 		}
 		if extTarget != "" {
 			out.filterExtNodePorts = append(out.filterExtNodePorts,
@@ -184,62 +223,78 @@ func (r *renderer) render(st *proxy.ServiceState) *renderedService {
 			comment(nameStr+" health check node port")+" -m tcp -p tcp --dport "+strconv.Itoa(st.HealthCheckNodePort)+" -j ACCEPT")
 	}
 
+	for _, ep := range d.Hairpin {
+		out.hairpin = append(out.hairpin, ep.IP)
+	}
+	return out
+}
+
+// natChains renders the port's own chains in nat, sorted by name: with
+// their rules, or their names only when withRules is false.
+func (r *renderer) natChains(l *portLayout, withRules bool) []ipt.ChainRules {
+	st, d := l.st, l.d
+	var out []ipt.ChainRules
+
 	// Policy chains, each with its endpoints; the ClusterIP's masquerade
 	// rules go first in the chain the ClusterIP jumps to.
 	for _, sel := range []proxy.EndpointSelection{proxy.SelectCluster, proxy.SelectLocal} {
 		if !d.Uses(sel) {
 			continue
 		}
-		var rules []string
-		if cip.Verdict == proxy.VerdictDeliver && cip.Endpoints == sel {
-			rules = r.clusterIPMasquerade(d, cipMatch)
+		c := ipt.ChainRules{Name: l.policyChain[sel]}
+		if withRules {
+			if l.cip.Verdict == proxy.VerdictDeliver && l.cip.Endpoints == sel {
+				c.Rules = r.clusterIPMasquerade(d, l.cipMatch)
+			}
+			c.Rules = r.appendEndpointRules(c.Rules, st, st.Endpoints(sel))
 		}
-		out.natChains[policyChain[sel]] = append(rules, r.endpointRules(st, st.Endpoints(sel))...)
+		out = append(out, c)
 	}
 
 	// External destinations: the classes that differ from everyone else's
 	// decision get their own rules (pods, then the node), then the rest.
-	if usesExtChain {
-		var ext []string
-		other := d.For(extKind, proxy.SourceOther)
-		for _, c := range proxy.SourceClasses {
-			dec := d.For(extKind, c)
-			if c != proxy.SourceOther && dec == other {
-				continue
-			}
-			match, what := r.classMatch(c), c.String()+" traffic for "+nameStr+" external destinations"
-			if match != "" {
-				match += " "
-			}
-			if dec.Masquerade {
-				ext = append(ext, comment("masquerade "+what)+" "+match+"-j "+chainMarkMasq)
-			}
-			if dec.Verdict == proxy.VerdictDeliver {
-				ext = append(ext, comment(what)+" "+match+"-j "+policyChain[dec.Endpoints])
+	if l.usesExtChain {
+		c := ipt.ChainRules{Name: l.extChain}
+		if withRules {
+			other := d.For(l.extKind, proxy.SourceOther)
+			for _, class := range proxy.SourceClasses {
+				dec := d.For(l.extKind, class)
+				if class != proxy.SourceOther && dec == other {
+					continue
+				}
+				match, what := r.classMatch(class), class.String()+" traffic for "+l.nameStr+" external destinations"
+				if match != "" {
+					match += " "
+				}
+				if dec.Masquerade {
+					c.Rules = append(c.Rules, comment("masquerade "+what)+" "+match+"-j "+chainMarkMasq)
+				}
+				if dec.Verdict == proxy.VerdictDeliver {
+					c.Rules = append(c.Rules, comment(what)+" "+match+"-j "+l.policyChain[dec.Endpoints])
+				}
 			}
 		}
-		out.natChains[extChain] = ext
+		out = append(out, c)
 	}
 
 	// loadBalancerSourceRanges.
-	if usesFWChain {
-		c := comment(nameStr + " loadbalancer IP")
-		var fw []string
-		for _, cidr := range d.Firewall.Allowed {
-			fw = append(fw, c+" -s "+cidr.String()+" -j "+extChain)
-		}
-		if d.Firewall.AllowVIPSource {
-			for _, ip := range st.LoadBalancerVIPs {
-				fw = append(fw, c+" -s "+hostAddr(ip)+" -j "+extChain)
+	if l.usesFWChain {
+		c := ipt.ChainRules{Name: l.fwChain}
+		if withRules {
+			lb := comment(l.nameStr + " loadbalancer IP")
+			for _, cidr := range d.Firewall.Allowed {
+				c.Rules = append(c.Rules, lb+" -s "+cidr.String()+" -j "+l.extChain)
 			}
+			if d.Firewall.AllowVIPSource {
+				for _, ip := range st.LoadBalancerVIPs {
+					c.Rules = append(c.Rules, lb+" -s "+hostAddr(ip)+" -j "+l.extChain)
+				}
+			}
+			c.Rules = append(c.Rules, comment("other traffic to "+l.nameStr+" will be dropped by "+chainFirewall))
 		}
-		fw = append(fw, comment("other traffic to "+nameStr+" will be dropped by "+chainFirewall))
-		out.natChains[fwChain] = fw
+		out = append(out, c)
 	}
-
-	for _, ep := range d.Hairpin {
-		out.hairpin = append(out.hairpin, ep.IP)
-	}
+	slices.SortFunc(out, func(a, b ipt.ChainRules) int { return strings.Compare(a.Name, b.Name) })
 	return out
 }
 
@@ -271,7 +326,7 @@ func (r *renderer) clusterIPMasquerade(d *proxy.ServiceDecisions, cipMatch strin
 	return rules
 }
 
-// endpointRules renders a policy chain's endpoints: session affinity, then
+// appendEndpointRules appends the rules of a policy chain's endpoints: session affinity, then
 // random balancing with DNAT inline.
 //
 // Upstream kube-proxy gives every endpoint its own chain (KUBE-SEP-*). kproxy
@@ -280,12 +335,12 @@ func (r *renderer) clusterIPMasquerade(d *proxy.ServiceDecisions, cipMatch strin
 // costs one chain, not one per endpoint. iptables-nft's restore time grows
 // with the square of the chains in a batch, so this is what keeps a 10,000
 // service first sync fast.
-func (r *renderer) endpointRules(st *proxy.ServiceState, eps []*proxy.Endpoint) []string {
-	proto := strings.ToLower(string(st.Protocol))
-	pm := protoMatch(proto)
-	var rules []string
+func (r *renderer) appendEndpointRules(rules []string, st *proxy.ServiceState, eps []*proxy.Endpoint) []string {
+	pm := protoMatch(strings.ToLower(string(st.Protocol)))
 	c := comment(st.Name.String())
 	affinity := st.Decisions.AffinitySeconds
+	// Each rule is one concatenation, so one allocation: at 10,000
+	// services these rules are most of a full sync's allocations.
 	if affinity > 0 {
 		seconds := strconv.Itoa(affinity)
 		for _, ep := range eps {
@@ -295,29 +350,32 @@ func (r *renderer) endpointRules(st *proxy.ServiceState, eps []*proxy.Endpoint) 
 	}
 	n := len(eps)
 	for i, ep := range eps {
-		rule := c
+		probFlag, prob, recentFlag, recent, set := "", "", "", "", ""
 		if i < n-1 {
-			rule += " -m statistic --mode random --probability " + probability(n-i)
+			probFlag, prob = " -m statistic --mode random --probability ", probability(n-i)
 		}
 		if affinity > 0 {
-			rule += " -m recent --name " + recentName(st.Name, ep) + " --set --rsource"
+			recentFlag, recent, set = " -m recent --name ", recentName(st.Name, ep), " --set --rsource"
 		}
-		rules = append(rules, rule+" "+pm+" -j DNAT --to-destination "+ep.AddrString())
+		rules = append(rules, c+probFlag+prob+recentFlag+recent+set+" "+pm+" -j DNAT --to-destination "+ep.AddrString())
 	}
 	return rules
 }
 
+// probabilities are 1/n with ten decimals, as upstream writes them, for
+// the usual endpoint counts.
+var probabilities = func() []string {
+	out := make([]string, 128)
+	for n := 1; n < len(out); n++ {
+		out[n] = fmt.Sprintf("%0.10f", 1.0/float64(n))
+	}
+	return out
+}()
+
 // probability is 1/n with ten decimals, as upstream writes it.
 func probability(n int) string {
-	return fmt.Sprintf("%0.10f", 1.0/float64(n))
-}
-
-// natChainsLookup reports whether the (possibly nil) rendered service has
-// chain.
-func (rs *renderedService) natChainsLookup(chain string) ([]string, bool) {
-	if rs == nil {
-		return nil, false
+	if n < len(probabilities) {
+		return probabilities[n]
 	}
-	rules, ok := rs.natChains[chain]
-	return rules, ok
+	return fmt.Sprintf("%0.10f", 1.0/float64(n))
 }

@@ -84,6 +84,7 @@ topology-aware routing.`,
 			if o.Cleanup {
 				return RunCleanup(ctx, o)
 			}
+			setGCDefaults(klog.FromContext(ctx), os.LookupEnv)
 			return Run(ctx, o)
 		},
 	}
