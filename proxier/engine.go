@@ -54,6 +54,12 @@ type EngineOptions struct {
 	NodeLabels *proxy.NodeLabels
 	// WaitForNodes delays the first sync until OnNodeSynced as well.
 	WaitForNodes bool
+	// OtherNodesMaxWait bounds how long syncs wait for the other nodes'
+	// labels (OnOtherNodesPending): past it, a sync runs with the labels
+	// known so far (their arrival later rebuilds every service), so a
+	// failing Node list never stops every other service's updates.
+	// Default 10s.
+	OtherNodesMaxWait time.Duration
 	// MasqueradeAll, ClusterCIDR and NodeIP are the node-wide settings the
 	// decisions depend on (proxy.DecisionOptions).
 	MasqueradeAll bool
@@ -101,6 +107,12 @@ type Engine struct {
 	// otherNodesPending holds syncs back while a Service needs the other
 	// nodes' labels and they are still being listed (OnOtherNodesPending).
 	otherNodesPending atomic.Bool
+	// otherNodesPendingSince is when otherNodesPending was last set (unix
+	// nanoseconds of the engine's clock).
+	otherNodesPendingSince atomic.Int64
+	// otherNodesWaitWarned: the warning that syncs stopped waiting was
+	// logged for the current pending period.
+	otherNodesWaitWarned atomic.Bool
 	// topologyChanged is set after a node-label change and consumed by the
 	// next sync, which then rebuilds every service.
 	topologyChanged atomic.Bool
@@ -135,6 +147,9 @@ func NewEngine(opts EngineOptions) (*Engine, error) {
 	}
 	if opts.MinSyncPeriod < 0 || opts.MinSyncPeriod > opts.SyncPeriod {
 		return nil, fmt.Errorf("engine: min sync period %v must be between 0 and the sync period %v", opts.MinSyncPeriod, opts.SyncPeriod)
+	}
+	if opts.OtherNodesMaxWait <= 0 {
+		opts.OtherNodesMaxWait = 10 * time.Second
 	}
 	if opts.FullSyncPeriod <= 0 {
 		opts.FullSyncPeriod = DefaultFullSyncPeriod
@@ -279,6 +294,10 @@ func (e *Engine) OnNodeSynced() {
 // would allow, as a first sync without Nodes would). OnNodeAdd, OnNodeUpdate
 // and OnNodeDelete take the other nodes' labels as they take this node's.
 func (e *Engine) OnOtherNodesPending(pending bool) {
+	if pending && !e.otherNodesPending.Load() {
+		e.otherNodesPendingSince.Store(e.clock.Now().UnixNano())
+		e.otherNodesWaitWarned.Store(false)
+	}
 	e.otherNodesPending.Store(pending)
 	if !pending {
 		e.requestSync()
@@ -288,10 +307,26 @@ func (e *Engine) OnOtherNodesPending(pending bool) {
 // cachesSynced reports whether a sync may run: Services and EndpointSlices
 // synced, this node's Node too when WaitForNodes is set (its labels give the
 // zone for topology hints and the topologyKeys values), and no other nodes'
-// labels pending.
+// labels pending for less than OtherNodesMaxWait.
 func (e *Engine) cachesSynced() bool {
 	return e.servicesSynced.Load() && e.endpointSlicesSynced.Load() &&
-		(!e.opts.WaitForNodes || e.nodesSynced.Load()) && !e.otherNodesPending.Load()
+		(!e.opts.WaitForNodes || e.nodesSynced.Load()) && !e.waitingForOtherNodes()
+}
+
+// waitingForOtherNodes reports whether syncs still wait for the other
+// nodes' labels; past OtherNodesMaxWait they go on, with a warning.
+func (e *Engine) waitingForOtherNodes() bool {
+	if !e.otherNodesPending.Load() {
+		return false
+	}
+	waited := e.clock.Since(time.Unix(0, e.otherNodesPendingSince.Load()))
+	if waited < e.opts.OtherNodesMaxWait {
+		return true
+	}
+	if !e.otherNodesWaitWarned.Swap(true) {
+		e.logger.Info("Other nodes' labels are still not listed; syncing with the labels known so far (topologyKeys services may reject traffic until they arrive)", "waited", waited)
+	}
+	return false
 }
 
 func (e *Engine) markTopologyChanged() {

@@ -139,3 +139,43 @@ func TestEngineOtherNodesPending(t *testing.T) {
 		})
 	}
 }
+
+// TestEngineOtherNodesMaxWait: when the other nodes' labels never arrive
+// (a failing Node list), syncs wait OtherNodesMaxWait and then go on with
+// the labels known so far, so no other service's update is held forever.
+func TestEngineOtherNodesMaxWait(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		advance  time.Duration
+		wantSync bool
+	}{
+		{name: "within the wait: held", advance: 9 * time.Second, wantSync: false},
+		{name: "past the wait: syncs", advance: 11 * time.Second, wantSync: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newSyncedHarness(t, func(o *proxier.EngineOptions) {
+				o.WaitForNodes = true
+				o.OtherNodesMaxWait = 10 * time.Second
+			})
+			h.engine.OnNodeAdd(pt.Node(thisNode, nil))
+			h.engine.OnNodeSynced()
+			h.sync()
+			h.engine.OnOtherNodesPending(true)
+			h.engine.OnServiceAdd(pt.Service("web", "10.96.0.10"))
+			h.engine.OnEndpointSliceAdd(pt.Slice("web", 8080, pt.EP{IP: "10.244.2.5", Node: "node-b"}))
+			h.clock.Step(tc.advance)
+			before := h.resultCount()
+			if err := h.engine.SyncRules(h.ctx); err != nil {
+				t.Fatal(err)
+			}
+			if synced := h.resultCount() > before; synced != tc.wantSync {
+				t.Fatalf("backend synced = %v, want %v", synced, tc.wantSync)
+			}
+			if tc.wantSync {
+				if _, ok := h.backend.last().Services["ns/web:p"]; !ok {
+					t.Errorf("service not programmed after the wait")
+				}
+			}
+		})
+	}
+}
