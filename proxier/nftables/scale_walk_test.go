@@ -457,14 +457,16 @@ func (m *mirrorNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
 }
 
 // walkEnv is the node of the walk tests and benchmarks.
-var walkEnv = pt.Env{NodeName: "node-a", NodeIPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")},
-	ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"), Family: v1.IPv4Protocol}
+func walkEnv() pt.Env {
+	return pt.Env{NodeName: "node-a", NodeIPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")},
+		ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"), Family: v1.IPv4Protocol}
+}
 
 // walkFlows are first packets to service i of a ShapedWorkload: its
 // ClusterIP from a pod (forwarded), from outside the cluster and from the
 // node itself, and its node port from outside when it has one.
 func walkFlows(svc *v1.Service) map[string]walkPacket {
-	node := walkEnv.NodeIPs
+	node := walkEnv().NodeIPs
 	vip := netip.MustParseAddr(svc.Spec.ClusterIP)
 	out := map[string]walkPacket{
 		"pod to ClusterIP":     {src: netip.MustParseAddr("10.244.1.9"), dst: vip, proto: "tcp", dport: 80, nodeAddrs: node},
@@ -489,11 +491,11 @@ func syncedMirror(t testing.TB, s pt.WorkloadShape, withFake bool) (*memNFT, *kn
 		fake = knftables.NewFake(knftables.IPv4Family, TableName)
 		nft = &mirrorNFT{Fake: fake, mem: mem}
 	}
-	b, err := New(Options{NFTables: nft, Family: v1.IPv4Protocol, LocalAddresses: func() ([]netip.Addr, error) { return walkEnv.NodeIPs, nil }})
+	b, err := New(Options{NFTables: nft, Family: v1.IPv4Protocol, LocalAddresses: func() ([]netip.Addr, error) { return walkEnv().NodeIPs, nil }})
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := newEngine(t, walkEnv, b, testingclock.NewFakeClock(time.Unix(1_700_000_000, 0)))
+	e := newEngine(t, walkEnv(), b, testingclock.NewFakeClock(time.Unix(1_700_000_000, 0)))
 	for i := range svcs {
 		e.OnServiceAdd(svcs[i])
 		e.OnEndpointSliceAdd(slices[i])
