@@ -9,6 +9,10 @@ BENCH_SERVICES ?= 1000 10000
 # and proxy modes (a mode this kproxy rejects is reported as skipped).
 BENCH_NODES ?= 5000
 BENCH_MODES ?= iptables nftables
+# make bench's nftables-mode shapes (services x endpoints) and the shapes
+# whose peak memory is measured, each in a process of its own.
+BENCH_NFT_SHAPES ?= 1000x10 10000x10 30000x10 45000x1 5000x50
+BENCH_NFT_MEMORY ?= 10000x10
 
 .PHONY: all build deps test unit e2e lint bench clean image demo demo-down control-plane kind-e2e
 
@@ -65,6 +69,13 @@ bench: deps
 	KPROXY_BENCH_SERVICES="$(BENCH_SERVICES)" $(GO) test -run '^$$' -bench 'Sync$$|PartialSyncCPU' -benchtime 1x -timeout 60m ./proxier/iptables/
 	for n in $(BENCH_SERVICES); do \
 	  KPROXY_BENCH_SERVICES=$$n $(GO) test -run '^$$' -bench 'Memory' -benchtime 1x -timeout 30m ./proxier/iptables/ || exit 1; \
+	done
+	@# nftables mode: full sync, restarts, one-endpoint changes and a service
+	@# added through the real nft in a throwaway network namespace, each
+	@# against the same transaction replayed with nft -f, per shape.
+	KPROXY_BENCH_SHAPES="$(BENCH_NFT_SHAPES)" $(GO) test -run '^$$' -bench 'NFTablesSync$$' -benchtime 1x -timeout 60m ./proxier/nftables/
+	for s in $(BENCH_NFT_MEMORY); do \
+	  KPROXY_BENCH_SHAPES=$$s $(GO) test -run '^$$' -bench 'NFTablesMemory' -benchtime 1x -timeout 30m ./proxier/nftables/ || exit 1; \
 	done
 	@# IPVS mode: full, restart and partial syncs into the real IPVS of the VM
 	@# (TCG-emulated: slower than the same kernel on hardware).

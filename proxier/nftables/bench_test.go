@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -18,18 +19,31 @@ import (
 
 // memNFT is a knftables.Interface over hash maps, for measuring the
 // backend's own cost at scale (knftables.Fake looks elements up one by one
-// and needs minutes for 100,000 of them). It keeps object names and
-// elements, not rules, and checks nothing.
+// and needs minutes for 100,000 of them). It keeps object names, elements,
+// the rules of every chain and the hook of base chains (for walkFirstPacket),
+// and checks nothing.
 type memNFT struct {
 	exists bool
 	chains map[string]bool
 	sets   map[string]map[string]*knftables.Element
 	isMap  map[string]bool
+	// rules holds each chain's rules in order, hooks the base chains'
+	// hook and priority.
+	rules map[string][]string
+	hooks map[string]memHook
+}
+
+type memHook struct {
+	hook     string
+	priority int
 }
 
 func newMemNFT() *memNFT {
-	return &memNFT{chains: map[string]bool{}, sets: map[string]map[string]*knftables.Element{}, isMap: map[string]bool{}}
+	return &memNFT{chains: map[string]bool{}, sets: map[string]map[string]*knftables.Element{}, isMap: map[string]bool{},
+		rules: map[string][]string{}, hooks: map[string]memHook{}}
 }
+
+var memBaseChain = regexp.MustCompile(`\{ type \S+ hook (\S+) priority (-?\d+) ;`)
 
 var memLine = regexp.MustCompile(`^(add|delete|flush) (table|chain|rule|set|map|element) \S+ \S+ ?(\S*)(.*)$`)
 
@@ -39,8 +53,11 @@ func (m *memNFT) NewTransaction() *knftables.Transaction {
 
 func (m *memNFT) Check(context.Context, *knftables.Transaction) error { return nil }
 
-func (m *memNFT) Run(_ context.Context, tx *knftables.Transaction) error {
-	for _, line := range strings.Split(tx.String(), "\n") {
+func (m *memNFT) Run(_ context.Context, tx *knftables.Transaction) error { return m.apply(tx.String()) }
+
+// apply runs a transaction's text (as tx.String writes it).
+func (m *memNFT) apply(text string) error {
+	for _, line := range strings.Split(text, "\n") {
 		if line == "" {
 			continue
 		}
@@ -56,8 +73,21 @@ func (m *memNFT) Run(_ context.Context, tx *knftables.Transaction) error {
 			*m = *newMemNFT()
 		case "chain add":
 			m.chains[name] = true
+			if h := memBaseChain.FindStringSubmatch(rest); h != nil {
+				prio, _ := strconv.Atoi(h[2])
+				m.hooks[name] = memHook{hook: h[1], priority: prio}
+			}
+		case "chain flush":
+			delete(m.rules, name)
 		case "chain delete":
 			delete(m.chains, name)
+			delete(m.rules, name)
+			delete(m.hooks, name)
+		case "rule add":
+			if !m.chains[name] {
+				return fmt.Errorf("memNFT: rule for missing chain %q", name)
+			}
+			m.rules[name] = append(m.rules[name], strings.TrimPrefix(rest, " "))
 		case "set add", "map add":
 			if m.sets[name] == nil {
 				m.sets[name] = map[string]*knftables.Element{}

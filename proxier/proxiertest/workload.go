@@ -54,3 +54,79 @@ func Workload(n int) ([]*v1.Service, []*discovery.EndpointSlice) {
 	}
 	return svcs, slices
 }
+
+// WorkloadShape is the size of a workload built by ShapedWorkload:
+// Services services with Endpoints endpoints each.
+type WorkloadShape struct {
+	Services, Endpoints int
+}
+
+// String writes the shape as ParseWorkloadShapes reads it ("10000x10").
+func (s WorkloadShape) String() string { return fmt.Sprintf("%dx%d", s.Services, s.Endpoints) }
+
+// ParseWorkloadShapes parses shapes separated by spaces or commas:
+// "10000x10 45000x1 5000x50"; a bare number n is n x WorkloadEndpoints.
+func ParseWorkloadShapes(v string) ([]WorkloadShape, error) {
+	var out []WorkloadShape
+	for _, f := range strings.FieldsFunc(v, func(r rune) bool { return r == ' ' || r == ',' || r == '\t' || r == '\n' }) {
+		svcs, eps, found := strings.Cut(f, "x")
+		s := WorkloadShape{Endpoints: WorkloadEndpoints}
+		var err error
+		if s.Services, err = strconv.Atoi(svcs); err != nil || s.Services <= 0 {
+			return nil, fmt.Errorf("workload shape %q: want <services>x<endpoints>", f)
+		}
+		if found {
+			if s.Endpoints, err = strconv.Atoi(eps); err != nil || s.Endpoints <= 0 {
+				return nil, fmt.Errorf("workload shape %q: want <services>x<endpoints>", f)
+			}
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+// BenchShapes parses KPROXY_BENCH_SHAPES (ParseWorkloadShapes; default
+// "1000x10"): the workload shapes the shape-aware benchmarks program. An
+// unparsable value panics: a benchmark run with a typo should not measure
+// something else.
+func BenchShapes() []WorkloadShape {
+	v := os.Getenv("KPROXY_BENCH_SHAPES")
+	if v == "" {
+		v = "1000x10"
+	}
+	out, err := ParseWorkloadShapes(v)
+	if err != nil {
+		panic(fmt.Sprintf("KPROXY_BENCH_SHAPES: %v", err))
+	}
+	return out
+}
+
+// ShapedWorkload builds a workload like Workload's at any shape: ClusterIP
+// services (one in ten also a NodePort, node ports 30000 + i/10, beyond the
+// default node port range past 27,680 services) with s.Endpoints endpoints
+// each, spread over 1,000 nodes named node-0..node-999. Unlike Workload's,
+// whose ClusterIPs repeat beyond about 20,000 services, every ClusterIP is
+// distinct: they are spread over 10.96.0.0/12 (up to 1,048,576 services),
+// and endpoint addresses count up from 10.128.0.0.
+func ShapedWorkload(s WorkloadShape) ([]*v1.Service, []*discovery.EndpointSlice) {
+	svcs := make([]*v1.Service, 0, s.Services)
+	slices := make([]*discovery.EndpointSlice, 0, s.Services)
+	for i := 0; i < s.Services; i++ {
+		name := fmt.Sprintf("svc-%05d", i)
+		// An odd multiplier is a bijection modulo 2^20.
+		h := (uint32(i)*2654435761 + 7) & 0xfffff
+		ip := fmt.Sprintf("10.%d.%d.%d", 96+h>>16, (h>>8)&0xff, h&0xff)
+		var opts []SvcOpt
+		if i%10 == 0 {
+			opts = append(opts, NodePort(int32(30000+i/10)))
+		}
+		svcs = append(svcs, Service(name, ip, opts...))
+		eps := make([]EP, 0, s.Endpoints)
+		for j := 0; j < s.Endpoints; j++ {
+			k := i*s.Endpoints + j
+			eps = append(eps, EP{IP: fmt.Sprintf("10.%d.%d.%d", 128+k>>16, (k>>8)&0xff, k&0xff), Node: fmt.Sprintf("node-%d", k%1000)})
+		}
+		slices = append(slices, Slice(name, 8080, eps...))
+	}
+	return svcs, slices
+}
