@@ -8,6 +8,8 @@ import (
 	"runtime"
 	"runtime/debug"
 	"runtime/metrics"
+	"runtime/pprof"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -236,6 +238,18 @@ func BenchmarkFullSyncMemory(b *testing.B) {
 				b.Fatalf("first sync: %+v", st)
 			}
 			after := liveHeapMiB()
+			if path := os.Getenv("KPROXY_MEM_HEAPPROFILE"); path != "" {
+				// The live heap after the first sync (go tool pprof
+				// -sample_index=inuse_space).
+				f, err := os.Create(path)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := pprof.WriteHeapProfile(f); err != nil {
+					b.Fatal(err)
+				}
+				f.Close()
+			}
 
 			s = startHeapSampler()
 			clk.Step(proxier.DefaultFullSyncPeriod)
@@ -260,4 +274,55 @@ func BenchmarkFullSyncMemory(b *testing.B) {
 			runtime.KeepAlive(slices)
 		}
 	})
+}
+
+// TestEndpointRenderings checks that the allocation-free renderings of a
+// destination's endpoint slots (hashEndpoints, endpointObjects) match the
+// elements bigElems lists: the hash a table's dispatch comments carry and
+// the digest must not change with the way they are computed.
+func TestEndpointRenderings(t *testing.T) {
+	eps := func(s ...string) []netip.AddrPort {
+		var out []netip.AddrPort
+		for _, a := range s {
+			out = append(out, netip.MustParseAddrPort(a))
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		name string
+		dr   destRender
+	}{
+		{name: "cluster IP, cluster and local slots", dr: destRender{key: destKey{addr: netip.MustParseAddr("10.96.0.1"), proto: "tcp", port: 80},
+			eps: [2][]netip.AddrPort{eps("10.244.1.1:8080", "10.244.2.2:8080"), eps("10.244.2.2:8080")}}},
+		{name: "node port", dr: destRender{key: destKey{nodePort: true, proto: "udp", port: 30053},
+			eps: [2][]netip.AddrPort{eps("10.244.1.1:53", "10.244.2.2:5353", "10.244.3.3:53")}}},
+		{name: "IPv6", dr: destRender{key: destKey{addr: netip.MustParseAddr("fd00::1"), proto: "sctp", port: 9},
+			eps: [2][]netip.AddrPort{nil, eps("[fd00:10::1]:9000")}}},
+		{name: "no endpoints", dr: destRender{key: destKey{addr: netip.MustParseAddr("10.96.0.2"), proto: "tcp", port: 443}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			big := tc.dr.bigElems()
+			h := fnvAdd(fnvOffset, "svc-shape\n")
+			var digest uint64
+			for i := range big {
+				h = fnvAdd(h, big[i].id()+big[i].val()+"\n")
+				digest ^= elemDigest(&big[i])
+			}
+			gotHash, gotDigest := tc.dr.hashEndpoints("svc-shape")
+			if want := fmt.Sprintf("%016x", h); gotHash != want || gotDigest != digest {
+				t.Errorf("hashEndpoints = %s, %x; want %s, %x", gotHash, gotDigest, want, digest)
+			}
+			var strs stringCache
+			objs := tc.dr.endpointObjects(&strs)
+			if len(objs) != len(big) {
+				t.Fatalf("%d objects, want %d", len(objs), len(big))
+			}
+			for i := range objs {
+				want := big[i].object(true)
+				if got := &objs[i]; got.Map != want.Map || !slices.Equal(got.Key, want.Key) || !slices.Equal(got.Value, want.Value) || got.Comment != nil {
+					t.Errorf("object %d = %+v, want %+v", i, got, want)
+				}
+			}
+		})
+	}
 }
