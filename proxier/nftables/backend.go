@@ -350,6 +350,10 @@ func (b *Backend) nodePortIPs() (map[netip.Addr]bool, error) {
 	return out, nil
 }
 
+// endpointChunk bounds the endpoint slots of each transaction that adds
+// them ahead of a full sync's main one.
+const endpointChunk = 16384
+
 // plan is one transaction in the making, in the order it must run.
 type plan struct {
 	l *layout
@@ -368,7 +372,14 @@ type plan struct {
 	staleSets   []string
 	deletes     []elem
 	adds        []elem
-	addTable    bool
+	// preEndpoints are destinations without a dispatch element in the
+	// table whose endpoint slots are added by transactions of their own,
+	// before the others (never on a rebuild, whose flushes come later).
+	preEndpoints []*destRender
+	// addEndpoints are destinations whose every endpoint slot is added
+	// (after adds): their elements are made only when the transaction is.
+	addEndpoints []*destRender
+	addTable     bool
 }
 
 func (p *plan) transaction(nft knftables.Interface, isMap map[string]bool, st *SyncStats) *knftables.Transaction {
@@ -406,6 +417,14 @@ func (p *plan) transaction(nft knftables.Interface, isMap map[string]bool, st *S
 	for i := range p.adds {
 		e := &p.adds[i]
 		tx.Add(e.object(isMap[e.set]))
+	}
+	var strs stringCache
+	for _, dr := range p.addEndpoints {
+		objs := dr.endpointObjects(&strs)
+		for i := range objs {
+			tx.Add(&objs[i])
+		}
+		st.ElementsAdded += len(objs)
 	}
 	for _, c := range p.staleChains {
 		tx.Delete(&knftables.Chain{Name: c})
@@ -469,6 +488,10 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 		p, err = b.planPartial(l, state, npIPs)
 		next = b.state
 	} else {
+		// A full sync renders everything again: the old state goes
+		// first, so that the two are never held together (a failed
+		// sync drops it anyway).
+		b.state = nil
 		next, p, err = b.planFull(ctx, l, state, npIPs, mode, st)
 	}
 	if err != nil {
@@ -478,9 +501,44 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 	for _, s := range l.sets() {
 		isMap[s.name] = s.isMap
 	}
+	// Endpoint slots of destinations the table does not dispatch to yet
+	// go first, in transactions of at most endpointChunk elements: nothing
+	// leads to them until the main transaction adds their dispatch
+	// elements, so traffic still sees one change, and no transaction (nor
+	// knftables' command buffer, which keeps its size) holds them all.
+	for len(p.preEndpoints) > 0 {
+		tx := b.nft.NewTransaction()
+		if p.addTable {
+			tx.Add(&knftables.Table{Comment: knftables.PtrTo("rules for kproxy")})
+		}
+		for _, sd := range p.addSets {
+			if sd.big {
+				tx.Add(sd.object())
+			}
+		}
+		var strs stringCache
+		n := 0
+		for len(p.preEndpoints) > 0 && n < endpointChunk {
+			objs := p.preEndpoints[0].endpointObjects(&strs)
+			p.preEndpoints = p.preEndpoints[1:]
+			for i := range objs {
+				tx.Add(&objs[i])
+			}
+			n += len(objs)
+		}
+		st.ElementsAdded += n
+		st.Operations += tx.NumOperations()
+		start := b.clock.Now()
+		err := b.nft.Run(ctx, tx)
+		st.KernelTime += b.clock.Since(start)
+		st.Transactions++
+		if err != nil {
+			return fmt.Errorf("nftables %s sync, endpoint slots: %w", st.Mode, err)
+		}
+	}
 	tx := p.transaction(b.nft, isMap, st)
-	st.Operations = tx.NumOperations()
-	if st.Operations > 0 {
+	st.Operations += tx.NumOperations()
+	if tx.NumOperations() > 0 {
 		start := b.clock.Now()
 		err := b.nft.Run(ctx, tx)
 		st.KernelTime += b.clock.Since(start)
@@ -906,7 +964,20 @@ func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeStat
 				}
 			}
 		}
-		p.adds = append(p.adds, dr.bigElems()...)
+		if _, ok := k.dests[dk]; !ok && !rebuild {
+			p.preEndpoints = append(p.preEndpoints, dr)
+		} else {
+			p.addEndpoints = append(p.addEndpoints, dr)
+		}
+	}
+	// Few enough for the main transaction: one transaction.
+	pre := 0
+	for _, dr := range p.preEndpoints {
+		pre += len(dr.eps[0]) + len(dr.eps[1])
+	}
+	if pre <= endpointChunk {
+		p.addEndpoints = append(p.preEndpoints, p.addEndpoints...)
+		p.preEndpoints = nil
 	}
 	if !rebuild {
 		for _, dk := range sortedDestKeys(k.dests) {

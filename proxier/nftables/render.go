@@ -2,11 +2,12 @@ package nftables
 
 import (
 	"fmt"
-	"hash/fnv"
 	"net/netip"
 	"slices"
 	"strconv"
 	"strings"
+
+	"sigs.k8s.io/knftables"
 
 	"github.com/kproxy/kproxy/pkg/proxy"
 )
@@ -132,6 +133,125 @@ func (dr *destRender) bigElems() []elem {
 		}
 	}
 	return out
+}
+
+// endpointText appends the text of the element of slot (the id() and
+// val() of bigElems' element, without allocating one): the endpoints hash
+// and the digest are written from it.
+func (dr *destRender) endpointText(buf []byte, set string, slot int, ep netip.AddrPort) []byte {
+	buf = append(buf, set...)
+	buf = append(buf, " { "...)
+	if !dr.key.nodePort {
+		buf = dr.key.addr.Unmap().AppendTo(buf)
+		buf = append(buf, " . "...)
+	}
+	buf = strconv.AppendInt(buf, int64(dr.key.port), 10)
+	buf = append(buf, " . "...)
+	buf = strconv.AppendInt(buf, int64(slot), 10)
+	buf = append(buf, " }"...)
+	buf = ep.Addr().Unmap().AppendTo(buf)
+	buf = append(buf, " . "...)
+	buf = strconv.AppendUint(buf, uint64(ep.Port()), 10)
+	return append(buf, " # "...)
+}
+
+// hashEndpoints returns the hash of the shape chain's name and the
+// endpoint slots (as the dispatch comment carries it) and the slots' share
+// of the digest.
+func (dr *destRender) hashEndpoints(shape string) (string, uint64) {
+	h := fnvAdd(fnvAdd(fnvOffset, shape), "\n")
+	set := dr.key.endpointsMap()
+	var digest uint64
+	buf := make([]byte, 0, 128)
+	for i, eps := range dr.eps {
+		base := 0
+		if i == 1 {
+			base = localSlotBase
+		}
+		for slot, ep := range eps {
+			buf = dr.endpointText(buf[:0], set, base+slot, ep)
+			digest ^= fnvAdd(fnvOffset, buf)
+			h = fnvAdd(fnvAdd(h, buf), "\n")
+		}
+	}
+	var hb [16]byte
+	hex := strconv.AppendUint(hb[:0], h, 16)
+	return strings.Repeat("0", 16-len(hex)) + string(hex), digest
+}
+
+// endpointObjects are the destination's endpoint slots as knftables
+// elements, allocated together, their strings shared where they can be
+// (a full sync writes about a hundred thousand of them).
+func (dr *destRender) endpointObjects(strs *stringCache) []knftables.Element {
+	n := len(dr.eps[0]) + len(dr.eps[1])
+	if n == 0 {
+		return nil
+	}
+	set := strs.endpointsMap(dr.key)
+	klen := 3
+	if dr.key.nodePort {
+		klen = 2
+	}
+	objs := make([]knftables.Element, 0, n)
+	keys := make([]string, 0, n*klen)
+	vals := make([]string, 0, n*2)
+	var addr string
+	if !dr.key.nodePort {
+		addr = hostString(dr.key.addr)
+	}
+	port := strs.itoa(dr.key.port)
+	for i, eps := range dr.eps {
+		base := 0
+		if i == 1 {
+			base = localSlotBase
+		}
+		for slot, ep := range eps {
+			k := len(keys)
+			if !dr.key.nodePort {
+				keys = append(keys, addr)
+			}
+			keys = append(keys, port, strs.itoa(base+slot))
+			v := len(vals)
+			vals = append(vals, hostString(ep.Addr()), strs.itoa(int(ep.Port())))
+			objs = append(objs, knftables.Element{Map: set, Key: keys[k:len(keys):len(keys)], Value: vals[v:len(vals):len(vals)]})
+		}
+	}
+	return objs
+}
+
+// stringCache shares the strings of numbers and map names among the
+// elements of one transaction.
+type stringCache struct {
+	nums map[int]string
+	maps map[destKey]string
+}
+
+func (c *stringCache) itoa(n int) string {
+	if n >= 0 && n < 100 {
+		return strconv.Itoa(n) // static, no allocation
+	}
+	if s, ok := c.nums[n]; ok {
+		return s
+	}
+	if c.nums == nil {
+		c.nums = map[int]string{}
+	}
+	s := strconv.Itoa(n)
+	c.nums[n] = s
+	return s
+}
+
+func (c *stringCache) endpointsMap(k destKey) string {
+	k = destKey{nodePort: k.nodePort, proto: k.proto}
+	if s, ok := c.maps[k]; ok {
+		return s
+	}
+	if c.maps == nil {
+		c.maps = map[destKey]string{}
+	}
+	s := k.endpointsMap()
+	c.maps[k] = s
+	return s
 }
 
 // renderedService is what one service port puts in the table.
@@ -303,14 +423,7 @@ func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, 
 				dr.eps[i][j] = netip.AddrPortFrom(ep.IP, uint16(ep.Port))
 			}
 		}
-		h := fnv.New64a()
-		h.Write([]byte(shape.name() + "\n"))
-		big := dr.bigElems()
-		for i := range big {
-			h.Write([]byte(big[i].id() + big[i].val() + "\n"))
-			dr.bigDigest ^= elemDigest(&big[i])
-		}
-		dr.hash = fmt.Sprintf("%016x", h.Sum64())
+		dr.hash, dr.bigDigest = dr.hashEndpoints(shape.name())
 		dr.small = append(dr.small, elem{set: key.dispatchMap(), key: key.dispatchKey(),
 			value: []string{"goto " + shape.name()}, comment: dispatchComment(dr.hash, dr.counts(), st.Name)})
 	}
@@ -322,9 +435,39 @@ func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, 
 
 // elemDigest is an element's share of a table digest.
 func elemDigest(e *elem) uint64 {
-	h := fnv.New64a()
-	h.Write([]byte(e.id() + e.val()))
-	return h.Sum64()
+	h := fnvOffset
+	h = fnvAdd(h, e.set)
+	h = fnvAdd(h, " { ")
+	for i, k := range e.key {
+		if i > 0 {
+			h = fnvAdd(h, " . ")
+		}
+		h = fnvAdd(h, k)
+	}
+	h = fnvAdd(h, " }")
+	for i, v := range e.value {
+		if i > 0 {
+			h = fnvAdd(h, " . ")
+		}
+		h = fnvAdd(h, v)
+	}
+	h = fnvAdd(h, " # ")
+	return fnvAdd(h, e.comment)
+}
+
+// FNV-1a (64 bits) over strings and byte slices without allocating:
+// hash/fnv's Write takes a []byte through an interface.
+const (
+	fnvOffset uint64 = 14695981039346656037
+	fnvPrime  uint64 = 1099511628211
+)
+
+func fnvAdd[T string | []byte](h uint64, s T) uint64 {
+	for i := 0; i < len(s); i++ {
+		h ^= uint64(s[i])
+		h *= fnvPrime
+	}
+	return h
 }
 
 // computeDigest sets dr.digest from all its elements (called once the
