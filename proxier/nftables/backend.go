@@ -1,7 +1,10 @@
 // Package nftables is kproxy's nftables backend: it renders the node's
 // desired state (proxy.NodeState, the decision table of every service
 // port) into one table per family, "ip kproxy" and "ip6 kproxy", through
-// sigs.k8s.io/knftables, one atomic transaction per sync.
+// sigs.k8s.io/knftables, one atomic transaction per sync (a full sync
+// adding many endpoint slots writes those of destinations not yet
+// dispatched ahead, in chunks no packet can reach until the main
+// transaction: see endpointChunk).
 //
 // # Layout
 //
