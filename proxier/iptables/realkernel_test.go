@@ -2,7 +2,6 @@ package iptables
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -180,7 +179,7 @@ func newRealTopo(t *testing.T, fam realFamily) *realTopo {
 	clk := testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))
 	topo.backend, err = New(Options{
 		IPTables: iface, Clock: clk,
-		LocalAddresses: func() ([]netip.Addr, error) { return nsAddresses(topo.node) },
+		LocalAddresses: func() ([]netip.Addr, error) { return pt.NSAddresses(topo.node) },
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -195,33 +194,6 @@ func newRealTopo(t *testing.T, fam realFamily) *realTopo {
 	topo.engine.OnServiceSynced()
 	topo.engine.OnEndpointSlicesSynced()
 	return topo
-}
-
-// nsAddresses lists the addresses of every interface in ns.
-func nsAddresses(ns *netnstest.NS) ([]netip.Addr, error) {
-	out, err := ns.Exec(context.Background(), "ip", "-j", "addr", "show")
-	if err != nil {
-		return nil, fmt.Errorf("listing addresses: %w", err)
-	}
-	var links []struct {
-		AddrInfo []struct {
-			Local string `json:"local"`
-		} `json:"addr_info"`
-	}
-	if err := json.Unmarshal(out, &links); err != nil {
-		return nil, fmt.Errorf("parsing `ip -j addr show`: %w", err)
-	}
-	var addrs []netip.Addr
-	for _, l := range links {
-		for _, a := range l.AddrInfo {
-			ip, err := netip.ParseAddr(a.Local)
-			if err != nil {
-				return nil, fmt.Errorf("parsing address %q: %w", a.Local, err)
-			}
-			addrs = append(addrs, ip)
-		}
-	}
-	return addrs, nil
 }
 
 func (topo *realTopo) sync(t *testing.T) SyncStats {

@@ -1,7 +1,6 @@
 package procbench
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -10,13 +9,11 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
@@ -26,9 +23,6 @@ import (
 )
 
 const (
-	// lockPath serialises every local cluster on the machine (make demo,
-	// the e2e suite, this benchmark).
-	lockPath = "/tmp/kpc-cluster.lock"
 	// teardownReserve is the part of -test.timeout kept for taking the
 	// control plane down.
 	teardownReserve = time.Minute
@@ -81,7 +75,10 @@ func TestProcessBenchmark(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	unlock := lockClusters(t, say)
+	unlock, err := cluster.LockMachine(func(format string, args ...any) { say(strings.TrimSuffix(format, "\n"), args...) })
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer unlock()
 
 	say("starting the control plane (etcd, kube-apiserver; state %s)", cfg.StateDir)
@@ -239,83 +236,4 @@ func findBinDir(t *testing.T) string {
 	}
 	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
 	return strings.TrimSpace(lines[len(lines)-1])
-}
-
-// lockClusters takes lockPath, waiting for its holder, and returns its
-// release. When a process this one descends from holds it (the benchmark
-// run under `flock /tmp/kpc-cluster.lock ...`), that lock covers this run.
-func lockClusters(t *testing.T, say func(string, ...any)) func() {
-	t.Helper()
-	f, err := os.OpenFile(lockPath, os.O_RDWR|os.O_CREATE, 0o644)
-	if err != nil {
-		t.Fatalf("opening %s: %v", lockPath, err)
-	}
-	release := func() { _ = f.Close() }
-	err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-	if err == nil {
-		return release
-	}
-	if !errors.Is(err, unix.EWOULDBLOCK) {
-		release()
-		t.Fatalf("locking %s: %v", lockPath, err)
-	}
-	holder, _ := lockHolder(f)
-	if holder > 0 && isAncestor(holder) {
-		say("%s is held by pid %d, an ancestor of this test", lockPath, holder)
-		return release
-	}
-	say("waiting for %s (held by pid %d: another local cluster run)", lockPath, holder)
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
-		release()
-		t.Fatalf("locking %s: %v", lockPath, err)
-	}
-	say("took %s", lockPath)
-	return release
-}
-
-// lockHolder finds the pid holding a flock on f in /proc/locks.
-func lockHolder(f *os.File) (int, error) {
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return 0, err
-	}
-	id := fmt.Sprintf("%02x:%02x:%d", unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino)
-	data, err := os.ReadFile("/proc/locks")
-	if err != nil {
-		return 0, err
-	}
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	for sc.Scan() {
-		// "3: FLOCK  ADVISORY  WRITE 14939 fe:00:9773225 0 EOF"
-		fields := strings.Fields(sc.Text())
-		if len(fields) >= 6 && fields[1] == "FLOCK" && fields[5] == id {
-			return strconv.Atoi(fields[4])
-		}
-	}
-	return 0, sc.Err()
-}
-
-// isAncestor reports whether pid is this process's parent, grandparent...
-func isAncestor(pid int) bool {
-	for p := os.Getppid(); p > 1; {
-		if p == pid {
-			return true
-		}
-		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p))
-		if err != nil {
-			return false
-		}
-		i := bytes.LastIndexByte(data, ')')
-		if i < 0 {
-			return false
-		}
-		fields := strings.Fields(string(data[i+1:]))
-		if len(fields) < 2 {
-			return false
-		}
-		if p, err = strconv.Atoi(fields[1]); err != nil {
-			return false
-		}
-	}
-	return false
 }
