@@ -12,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2/ktesting"
+	"k8s.io/utils/ptr"
 
 	"github.com/kproxy/kproxy/pkg/proxy"
 )
@@ -29,6 +30,7 @@ func fullService() *v1.Service {
 		"kubectl.kubernetes.io/last-applied-configuration": `{"big":"blob"}`,
 		"example.com/note":                                 "x",
 	}
+	svc.OwnerReferences = []metav1.OwnerReference{{APIVersion: "example.com/v1", Kind: "App", Name: "web", UID: "u0"}}
 	svc.Status = v1.ServiceStatus{
 		LoadBalancer: v1.LoadBalancerStatus{Ingress: []v1.LoadBalancerIngress{{IP: "192.0.2.1"}}},
 		Conditions:   []metav1.Condition{{Type: "Ready", Status: metav1.ConditionTrue}},
@@ -43,6 +45,14 @@ func fullSlice() *discovery.EndpointSlice {
 		v1.EndpointsLastChangeTriggerTime: "2026-01-01T00:00:00Z",
 		"example.com/note":                "x",
 	}
+	slice.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Service", Name: "web", UID: "u1"}}
+	ep := &slice.Endpoints[0]
+	ep.Conditions = discovery.EndpointConditions{Ready: ptr.To(true), Serving: ptr.To(true), Terminating: ptr.To(false)}
+	ep.NodeName, ep.Zone = ptr.To("node-a"), ptr.To("z1")
+	ep.Hints = &discovery.EndpointHints{ForZones: []discovery.ForZone{{Name: "z1"}}}
+	ep.TargetRef = &v1.ObjectReference{Kind: "Pod", Namespace: "ns", Name: "web-1", UID: "u2", ResourceVersion: "7"}
+	ep.Hostname = ptr.To("web-1")
+	ep.DeprecatedTopology = map[string]string{"kubernetes.io/hostname": "node-a"}
 	return slice
 }
 
@@ -135,6 +145,7 @@ func TestTransformService(t *testing.T) {
 	trimmed := func(annotations map[string]string) *v1.Service {
 		svc := fullService()
 		svc.ManagedFields = nil
+		svc.OwnerReferences = nil
 		svc.Annotations = annotations
 		svc.Status.Conditions = nil
 		return svc
@@ -187,7 +198,11 @@ func TestTransformEndpointSlice(t *testing.T) {
 	trimmed := func(annotations map[string]string) *discovery.EndpointSlice {
 		slice := fullSlice()
 		slice.ManagedFields = nil
+		slice.OwnerReferences = nil
 		slice.Annotations = annotations
+		slice.Labels = map[string]string{discovery.LabelServiceName: "svc"}
+		ep := &slice.Endpoints[0]
+		ep.TargetRef, ep.Hostname, ep.DeprecatedTopology = nil, nil, nil
 		return slice
 	}
 	tombstone := cache.DeletedFinalStateUnknown{Key: "ns/web-abc", Obj: fullSlice()}
@@ -208,6 +223,11 @@ func TestTransformEndpointSlice(t *testing.T) {
 				slice.Annotations = nil
 				return slice
 			}(),
+			want: trimmed(nil),
+		},
+		{
+			name: "an already trimmed slice is unchanged",
+			in:   trimmed(nil),
 			want: trimmed(nil),
 		},
 		{name: "tombstone passed through", in: tombstone, want: tombstone},
@@ -234,6 +254,8 @@ func TestInformerFactoriesTrimObjects(t *testing.T) {
 		object   object
 		informer func(*InformerFactories) cache.SharedIndexInformer
 		wantAnn  map[string]string
+		// wantLabels, when set, are the labels kept (else all are).
+		wantLabels map[string]string
 	}{
 		{
 			name:   "service",
@@ -252,7 +274,8 @@ func TestInformerFactoriesTrimObjects(t *testing.T) {
 			informer: func(f *InformerFactories) cache.SharedIndexInformer {
 				return f.EndpointSlices.Discovery().V1().EndpointSlices().Informer()
 			},
-			wantAnn: map[string]string{v1.EndpointsLastChangeTriggerTime: "2026-01-01T00:00:00Z"},
+			wantAnn:    map[string]string{v1.EndpointsLastChangeTriggerTime: "2026-01-01T00:00:00Z"},
+			wantLabels: map[string]string{discovery.LabelServiceName: "svc"},
 		},
 		{
 			name:   "this node",
@@ -289,17 +312,21 @@ func TestInformerFactoriesTrimObjects(t *testing.T) {
 			case <-ctx.Done():
 				t.Fatalf("no object delivered: %v", ctx.Err())
 			}
-			checkTrimmed(t, "delivered", got, tc.object, tc.wantAnn)
+			wantLabels := tc.wantLabels
+			if wantLabels == nil {
+				wantLabels = tc.object.GetLabels()
+			}
+			checkTrimmed(t, "delivered", got, tc.wantAnn, wantLabels)
 			cached := informer.GetStore().List()
 			if len(cached) != 1 {
 				t.Fatalf("informer store holds %d objects, want 1", len(cached))
 			}
-			checkTrimmed(t, "cached", cached[0].(metav1.Object), tc.object, tc.wantAnn)
+			checkTrimmed(t, "cached", cached[0].(metav1.Object), tc.wantAnn, wantLabels)
 		})
 	}
 }
 
-func checkTrimmed(t *testing.T, what string, got, orig metav1.Object, wantAnnotations map[string]string) {
+func checkTrimmed(t *testing.T, what string, got metav1.Object, wantAnnotations, wantLabels map[string]string) {
 	t.Helper()
 	if mf := got.GetManagedFields(); mf != nil {
 		t.Errorf("%s object has managed fields %v, want none", what, mf)
@@ -307,7 +334,7 @@ func checkTrimmed(t *testing.T, what string, got, orig metav1.Object, wantAnnota
 	if ann := got.GetAnnotations(); !apiequality.Semantic.DeepEqual(ann, wantAnnotations) {
 		t.Errorf("%s object has annotations %v, want %v", what, ann, wantAnnotations)
 	}
-	if lbls := got.GetLabels(); !apiequality.Semantic.DeepEqual(lbls, orig.GetLabels()) {
-		t.Errorf("%s object has labels %v, want %v", what, lbls, orig.GetLabels())
+	if lbls := got.GetLabels(); !apiequality.Semantic.DeepEqual(lbls, wantLabels) {
+		t.Errorf("%s object has labels %v, want %v", what, lbls, wantLabels)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"strconv"
 	"time"
 
@@ -50,6 +51,9 @@ type Options struct {
 	// respectively EndpointSlice, changes not yet applied.
 	PendingChanges func() (services, endpoints int)
 	Clock          clock.PassiveClock
+	// Profiling serves Go's profiles under /debug/pprof/ beside the
+	// metrics (kube-proxy's enableProfiling, --profiling).
+	Profiling bool
 }
 
 // Metrics holds kproxy's metrics and the registry they are exported from.
@@ -236,7 +240,8 @@ func (m *Metrics) HealthzResponded(code int) { m.healthz.WithLabelValues(strconv
 // LivezResponded counts one /livez answer (healthcheck.ProbeRecorder).
 func (m *Metrics) LivezResponded(code int) { m.livez.WithLabelValues(strconv.Itoa(code)).Inc() }
 
-// Handler serves /metrics and /proxyMode.
+// Handler serves /metrics and /proxyMode, and /debug/pprof/ when
+// Options.Profiling is set.
 func (m *Metrics) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{Registry: m.registry}))
@@ -245,6 +250,13 @@ func (m *Metrics) Handler() http.Handler {
 		w.Header().Set("X-Content-Type-Options", "nosniff")
 		_, _ = fmt.Fprint(w, m.opts.Mode)
 	})
+	if m.opts.Profiling {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
 	return mux
 }
 

@@ -436,6 +436,7 @@ func TestHandler(t *testing.T) {
 			"process_start_time_seconds ",
 		}},
 		{path: "/healthz", wantCode: http.StatusNotFound},
+		{path: "/debug/pprof/", wantCode: http.StatusNotFound},
 	} {
 		t.Run(tc.path, func(t *testing.T) {
 			rec := httptest.NewRecorder()
@@ -453,6 +454,21 @@ func TestHandler(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestProfiling: /debug/pprof/ is served only with Options.Profiling.
+func TestProfiling(t *testing.T) {
+	m, err := New(Options{Mode: "nftables", Profiling: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range []string{"/debug/pprof/", "/debug/pprof/heap?debug=1", "/debug/pprof/cmdline"} {
+		rec := httptest.NewRecorder()
+		m.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, path, nil))
+		if rec.Code != http.StatusOK {
+			t.Errorf("GET %s = %d, want 200", path, rec.Code)
+		}
 	}
 }
 

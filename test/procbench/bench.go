@@ -208,6 +208,11 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 	}
 	logf("%s: first full sync %.2f s after start (%d rules, peak RSS %.1f MiB)", opts.Kproxy.Mode, res.FirstSyncS, res.Rules, res.FirstSyncPeakRSSMiB)
 
+	profile := fmt.Sprintf("%s-%d-%d", opts.Kproxy.Mode, opts.Objects.Services(), opts.Objects.Nodes())
+	if err := k.SaveHeapProfile(ctx, profile+"-first.heap"); err != nil {
+		logf("%v", err)
+	}
+
 	scrapeCost, err := calibrateScrapes(ctx, k)
 	if err != nil {
 		return res, err
@@ -270,6 +275,9 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 	res.ScrapesPerChange = round3(float64(scrapes) / k64)
 	res.TotalCPUS, res.TotalChildCPUS = u.CPU.Seconds(), u.ChildCPU.Seconds()
 	res.PeakRSSMiB = mib(u.HWM)
+	if err := k.SaveHeapProfile(ctx, profile+"-end.heap"); err != nil {
+		logf("%v", err)
+	}
 	if watcher != nil {
 		res.NotificationOverflow = watcher.Overflows()
 	}

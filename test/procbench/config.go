@@ -19,6 +19,8 @@ const (
 	EnvOut      = "KPROXY_PROCBENCH_OUT"
 	EnvKproxy   = "KPROXY_PROCBENCH_KPROXY"
 	EnvState    = "KPROXY_PROCBENCH_STATE"
+	// EnvProfileDir: where to save kproxy's heap profiles (unset: none).
+	EnvProfileDir = "KPROXY_PROCBENCH_PROFILE_DIR"
 )
 
 // Config is what the environment asks of the benchmark.
@@ -38,6 +40,9 @@ type Config struct {
 	Kproxy string
 	// StateDir is the control plane's state directory.
 	StateDir string
+	// ProfileDir, when set, receives kproxy's heap profiles after its
+	// first sync and after the changes of each run.
+	ProfileDir string
 }
 
 // Step is a set of objects the modes run against.
@@ -64,6 +69,7 @@ func ParseConfig(getenv func(string) string) (Config, error) {
 	c := Config{
 		Nodes: 5000, Modes: []string{"iptables", "nftables"}, Changes: DefaultChanges,
 		Out: getenv(EnvOut), Kproxy: getenv(EnvKproxy), StateDir: getenv(EnvState),
+		ProfileDir: getenv(EnvProfileDir),
 	}
 	if c.StateDir == "" {
 		c.StateDir = "/run/kpc-procbench"

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
@@ -31,12 +32,15 @@ type KproxyOptions struct {
 	MetricsAddress string
 	// Log receives kproxy's output.
 	Log string
+	// ProfileDir, when set, runs kproxy with --profiling; Run saves heap
+	// profiles there (SaveHeapProfile).
+	ProfileDir string
 }
 
 // args are kproxy's flags: as a DaemonSet runs it, with the metrics and
 // health servers on the namespace's loopback.
 func (o KproxyOptions) args() []string {
-	return []string{
+	args := []string{
 		"--kubeconfig=" + o.Kubeconfig,
 		"--hostname-override=" + o.Node,
 		"--proxy-mode=" + o.Mode,
@@ -45,6 +49,10 @@ func (o KproxyOptions) args() []string {
 		"--healthz-bind-address=127.0.0.1:10256",
 		"-v=1",
 	}
+	if o.ProfileDir != "" {
+		args = append(args, "--profiling")
+	}
+	return args
 }
 
 // CheckMode runs kproxy's own validation of opts' flags (--write-config-to,
@@ -168,6 +176,34 @@ func (k *Kproxy) Scrape(ctx context.Context) (Samples, error) {
 		return nil, fmt.Errorf("/metrics: HTTP %d: %s", resp.StatusCode, firstLines(string(body), 2))
 	}
 	return ParseSamples(string(body))
+}
+
+// SaveHeapProfile writes kproxy's heap profile (/debug/pprof/heap) to
+// ProfileDir/name; nothing without a ProfileDir.
+func (k *Kproxy) SaveHeapProfile(ctx context.Context, name string) error {
+	if k.opts.ProfileDir == "" {
+		return nil
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+k.opts.MetricsAddress+"/debug/pprof/heap", nil)
+	if err != nil {
+		return err
+	}
+	resp, err := k.client.Do(req)
+	if err != nil {
+		return fmt.Errorf("heap profile: %w", err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return fmt.Errorf("heap profile: %w", err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("heap profile: HTTP %d: %s", resp.StatusCode, firstLines(string(body), 2))
+	}
+	if err := os.MkdirAll(k.opts.ProfileDir, 0o755); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(k.opts.ProfileDir, name), body, 0o644)
 }
 
 // SyncState scrapes kproxy's IPv4 sync state.

@@ -161,8 +161,8 @@ func TestProcessBenchmark(t *testing.T) {
 			res, err := Run(ctx, RunOptions{
 				Kproxy: KproxyOptions{
 					Binary: binary, Kubeconfig: kubeconfig, Node: MeasuredNode, Mode: mode,
-					MetricsAddress: "127.0.0.1:10249",
-					Log:            filepath.Join(logDir, fmt.Sprintf("kproxy-%s-%d-%d.log", mode, objs.Services(), objs.Nodes())),
+					MetricsAddress: "127.0.0.1:10249", ProfileDir: cfg.ProfileDir,
+					Log: filepath.Join(logDir, fmt.Sprintf("kproxy-%s-%d-%d.log", mode, objs.Services(), objs.Nodes())),
 				},
 				Objects: objs,
 				Changes: cfg.Changes,

@@ -221,7 +221,9 @@ func (a *configApplier) general(cfg *kubeproxyconfig.KubeProxyConfiguration) {
 	}
 	a.ignored("clientConnection.qps", cc.QPS != 0 && cc.QPS != kubeProxyDefaultQPS, "; client-go's rate limit (5 qps) applies")
 	a.ignored("clientConnection.burst", cc.Burst != 0 && cc.Burst != kubeProxyDefaultBurst, "; client-go's burst (10) applies")
-	a.ignored("clientConnection.contentType", cc.ContentType != "" && cc.ContentType != kubeProxyDefaultContentType, "")
+	if cc.ContentType != "" && a.fromFile("kube-api-content-type") {
+		o.KubeAPIContentType = cc.ContentType
+	}
 	a.ignored("clientConnection.acceptContentTypes", cc.AcceptContentTypes != "", "")
 
 	if cfg.HostnameOverride != "" && a.fromFile("hostname-override") {
@@ -239,7 +241,9 @@ func (a *configApplier) general(cfg *kubeproxyconfig.KubeProxyConfiguration) {
 		o.BindAddress = cfg.BindAddress
 	}
 	a.ignored("bindAddressHardFail", cfg.BindAddressHardFail, "; a server that cannot bind is logged and retried while rules keep being programmed")
-	a.ignored("enableProfiling", cfg.EnableProfiling, "")
+	if a.fromFile("profiling") {
+		o.Profiling = cfg.EnableProfiling
+	}
 	a.ignored("showHiddenMetricsForVersion", cfg.ShowHiddenMetricsForVersion != "", "")
 	a.ignored("oomScoreAdj", cfg.OOMScoreAdj != nil && *cfg.OOMScoreAdj != kubeProxyDefaultOOMScoreAdj, "; give the DaemonSet a priority class instead")
 	a.ignored("portRange", cfg.PortRange != "", " (nor by kube-proxy: it belonged to the removed userspace mode)")
@@ -419,6 +423,8 @@ func (o *Options) ProxyConfig(fs *pflag.FlagSet) (*kubeproxyconfig.KubeProxyConf
 		}
 	}
 	cfg.ClientConnection.Kubeconfig = o.Kubeconfig
+	cfg.ClientConnection.ContentType = o.KubeAPIContentType
+	cfg.EnableProfiling = o.Profiling
 	o.ipvsProxyConfig(cfg)
 	o.conntrackProxyConfig(cfg)
 	if fs != nil {

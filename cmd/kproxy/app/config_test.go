@@ -464,6 +464,11 @@ logging:
 			want: func(o *Options) { o.NodePortAddresses = []string{"primary"} },
 		},
 		{
+			name: "profiling and the API content type",
+			file: header + "enableProfiling: true\nclientConnection: {contentType: application/json}\n",
+			want: func(o *Options) { o.Profiling = true; o.KubeAPIContentType = "application/json" },
+		},
+		{
 			name: "bindAddress is this node's primary IP",
 			file: header + "bindAddress: fd00::5\n",
 			want: func(o *Options) { o.BindAddress = "fd00::5" },
@@ -472,12 +477,11 @@ logging:
 			name: "unsupported settings warn and change nothing",
 			file: header + `
 bindAddressHardFail: true
-enableProfiling: true
 showHiddenMetricsForVersion: "1.36"
 oomScoreAdj: -500
 portRange: 30000-32767
 featureGates: {Zeta: true, Alpha: false}
-clientConnection: {qps: 50, burst: 100, contentType: application/json, acceptContentTypes: application/json}
+clientConnection: {qps: 50, burst: 100, acceptContentTypes: application/json}
 detectLocalMode: NodeCIDR
 detectLocal: {bridgeInterface: cbr0}
 iptables: {localhostNodePorts: true}
@@ -487,8 +491,8 @@ winkernel: {networkName: l2bridge}
 windowsRunAsService: true
 `,
 			wantWarnings: []string{
-				"clientConnection.qps", "clientConnection.burst", "clientConnection.contentType", "clientConnection.acceptContentTypes",
-				"bindAddressHardFail", "enableProfiling", "showHiddenMetricsForVersion", "oomScoreAdj", "portRange",
+				"clientConnection.qps", "clientConnection.burst", "clientConnection.acceptContentTypes",
+				"bindAddressHardFail", "showHiddenMetricsForVersion", "oomScoreAdj", "portRange",
 				"featureGates.Alpha", "featureGates.Zeta",
 				"iptables.localhostNodePorts", "nftables", "detectLocalMode", "detectLocal",
 				"logging.format", "logging.flushFrequency", "winkernel", "windowsRunAsService",

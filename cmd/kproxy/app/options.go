@@ -53,6 +53,11 @@ type Options struct {
 	ServiceProxyName   string
 	ShowVersion        bool
 	IPTablesBatchChain int
+	// KubeAPIContentType is the encoding asked of the API server
+	// (kube-proxy's --kube-api-content-type); Profiling serves
+	// /debug/pprof/ on the metrics server (kube-proxy's --profiling).
+	KubeAPIContentType string
+	Profiling          bool
 	// HealthzBindAddress and MetricsBindAddress are "ip:port"; empty
 	// disables the server.
 	HealthzBindAddress string
@@ -90,6 +95,7 @@ func NewOptions() *Options {
 		MinSyncPeriod:      time.Second,
 		ConfigSyncPeriod:   15 * time.Minute,
 		IPTablesBatchChain: 1000,
+		KubeAPIContentType: kubeProxyDefaultContentType,
 		HealthzBindAddress: "0.0.0.0:10256",
 		MetricsBindAddress: "127.0.0.1:10249",
 		Conntrack:          conntrack.DefaultConfig(),
@@ -116,6 +122,8 @@ func (o *Options) AddFlags(fs *pflag.FlagSet) {
 	fs.StringVar(&o.ServiceProxyName, "service-proxy-name", o.ServiceProxyName, "Handle only Services labelled service.kubernetes.io/service-proxy-name=<name>. Empty: only Services without that label, like kube-proxy.")
 	fs.BoolVar(&o.ShowVersion, "version", o.ShowVersion, "Print the version and exit.")
 	fs.IntVar(&o.IPTablesBatchChain, "iptables-restore-batch-chains", o.IPTablesBatchChain, "Service chains per iptables-restore in a full sync (iptables-nft restore time grows with the square of a batch).")
+	fs.StringVar(&o.KubeAPIContentType, "kube-api-content-type", o.KubeAPIContentType, "The content type of requests to the API server: 'application/vnd.kubernetes.protobuf' (smaller and cheaper to decode) or 'application/json'.")
+	fs.BoolVar(&o.Profiling, "profiling", o.Profiling, "Serve Go's profiles under /debug/pprof/ on the metrics server (--metrics-bind-address).")
 	fs.StringVar(&o.HealthzBindAddress, "healthz-bind-address", o.HealthzBindAddress, "The IP address with port for the health check server (/healthz, /livez) to serve on (set to '0.0.0.0:10256' for all IPv4 interfaces and '[::]:10256' for all IPv6 interfaces). Set empty to disable.")
 	fs.StringVar(&o.MetricsBindAddress, "metrics-bind-address", o.MetricsBindAddress, "The IP address with port for the metrics server (/metrics, /proxyMode) to serve on (set to '0.0.0.0:10249' for all IPv4 interfaces and '[::]:10249' for all IPv6 interfaces). Set empty to disable.")
 	o.addConntrackFlags(fs)
@@ -156,6 +164,9 @@ func (o *Options) Validate() error {
 	}
 	if o.SyncPeriod > 0 && o.MinSyncPeriod > o.SyncPeriod {
 		errs = append(errs, fmt.Errorf("--iptables-min-sync-period=%v must not exceed --iptables-sync-period=%v", o.MinSyncPeriod, o.SyncPeriod))
+	}
+	if o.KubeAPIContentType != kubeProxyDefaultContentType && o.KubeAPIContentType != "application/json" {
+		errs = append(errs, fmt.Errorf("--kube-api-content-type=%q must be %q or %q", o.KubeAPIContentType, kubeProxyDefaultContentType, "application/json"))
 	}
 	if o.ConfigSyncPeriod <= 0 {
 		errs = append(errs, fmt.Errorf("--config-sync-period=%v must be greater than 0", o.ConfigSyncPeriod))

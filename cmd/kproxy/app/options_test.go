@@ -117,10 +117,11 @@ func TestOptionsValidate(t *testing.T) {
 		{
 			name: "every problem is reported at once",
 			args: []string{"--proxy-mode=bogus", "--iptables-masquerade-bit=40", "--iptables-sync-period=0", "--config-sync-period=0", "--cluster-cidr=x",
-				"--nodeport-addresses=y,all,all", "--bind-address=z"},
+				"--nodeport-addresses=y,all,all", "--bind-address=z", "--kube-api-content-type=text/yaml"},
 			wantErrs: []string{
 				"--proxy-mode", "--iptables-masquerade-bit=40", "--iptables-sync-period=0s", "--config-sync-period=0s",
 				"--cluster-cidr", `--nodeport-addresses: "y"`, `--nodeport-addresses: the keyword "all"`, "--bind-address",
+				"--kube-api-content-type",
 			},
 		},
 	} {
@@ -148,7 +149,7 @@ func TestNewOptionsDefaults(t *testing.T) {
 	got := parseOptions(t)
 	want := &Options{
 		ProxyMode: ModeIPTables, BindAddress: "0.0.0.0", MasqueradeBit: 14, SyncPeriod: 30 * time.Second, MinSyncPeriod: time.Second,
-		ConfigSyncPeriod: 15 * time.Minute, IPTablesBatchChain: 1000,
+		ConfigSyncPeriod: 15 * time.Minute, IPTablesBatchChain: 1000, KubeAPIContentType: "application/vnd.kubernetes.protobuf",
 		HealthzBindAddress: "0.0.0.0:10256", MetricsBindAddress: "127.0.0.1:10249",
 		Conntrack:     conntrack.Config{MaxPerCore: 32768, Min: 131072, TCPEstablishedTimeout: 24 * time.Hour, TCPCloseWaitTimeout: time.Hour},
 		IPVSScheduler: "rr", IPVSSyncPeriod: 30 * time.Second,

@@ -192,6 +192,9 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 			return fmt.Errorf("building API client config: %w", err)
 		}
 		restCfg.UserAgent = "kproxy/" + Version
+		// Protobuf by default, as kube-proxy: at 10,000 Services the
+		// initial lists decode with about half the garbage of JSON.
+		restCfg.ContentType = o.KubeAPIContentType
 		if client, err = kubernetes.NewForConfig(restCfg); err != nil {
 			return fmt.Errorf("building API client: %w", err)
 		}
@@ -251,7 +254,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 
 	var allEngines []*proxier.Engine
 	m, err := metrics.New(metrics.Options{
-		Mode: mode, Version: Version,
+		Mode: mode, Version: Version, Profiling: o.Profiling,
 		PendingChanges: func() (services, endpoints int) { return pendingChanges(allEngines) },
 	})
 	if err != nil {
