@@ -220,7 +220,10 @@ func (c *EndpointSliceCache) checkoutChanges() map[types.NamespacedName]*endpoin
 		change.current = c.endpointsMapOf(nn, tracker.applied)
 		changes[nn] = change
 	}
-	clear(c.pending)
+	// A new set rather than clear: a map keeps the size of its largest
+	// burst (the initial sync's every service), and clearing or ranging
+	// over it would cost that size on every sync.
+	c.pending = sets.New[types.NamespacedName]()
 	return changes
 }
 
