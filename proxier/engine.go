@@ -358,7 +358,7 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 	e.noteStaleConntrack(svcResult, epResult)
 	e.applyServicePorts(svcResult)
 
-	full := e.needFullSync || start.Sub(e.lastFullSync) >= e.opts.FullSyncPeriod
+	full := e.needFullSync || e.index.drifted || start.Sub(e.lastFullSync) >= e.opts.FullSyncPeriod
 	changed := svcResult.UpdatedServices.Union(epResult.UpdatedServices)
 	// The flag is cleared before buildState snapshots the labels: a change
 	// landing in between is either in the snapshot or sets the flag again.
@@ -424,7 +424,14 @@ func (e *Engine) buildState(changed sets.Set[types.NamespacedName], full bool) *
 	} else {
 		for nn := range changed {
 			for _, name := range e.index.ports[nn] {
-				st := proxy.NewServiceState(e.svcPortMap[name], e.endpointsMap[name], topo, e.decisionOpts)
+				sp, ok := e.svcPortMap[name]
+				if !ok {
+					// Never: the index follows every Apply (applyServicePorts).
+					e.logger.Error(nil, "Service port index out of date; the next sync will be full", "servicePort", name)
+					e.index.drifted = true
+					continue
+				}
+				st := proxy.NewServiceState(sp, e.endpointsMap[name], topo, e.decisionOpts)
 				e.index.setState(e.states[name], st)
 				e.states[name] = st
 			}

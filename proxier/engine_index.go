@@ -31,6 +31,9 @@ type serviceIndex struct {
 	// SyncResult: the next change copies the map first, so that a result
 	// never changes after its sync (copy on write).
 	healthChecksShared bool
+	// drifted is set when the index was found out of date with the
+	// model (never, short of a bug): the next sync is full, and recounts.
+	drifted bool
 }
 
 func newServiceIndex() serviceIndex {
@@ -107,6 +110,7 @@ func (x *serviceIndex) recount(states map[proxy.ServicePortName]*proxy.ServiceSt
 		slices.SortFunc(names, proxy.ServicePortName.Compare)
 	}
 	x.ports = ports
+	x.drifted = false
 	x.healthChecks = map[types.NamespacedName]HealthCheckService{}
 	x.healthChecksShared = false
 	for nn, names := range ports {

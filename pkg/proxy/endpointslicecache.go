@@ -34,7 +34,7 @@ type EndpointSliceCache struct {
 
 	mu       sync.Mutex
 	services map[types.NamespacedName]*sliceTracker
-	// pending names the services of services with pending updates, so that
+	// pending names the services with pending updates, so that
 	// checking changes out costs the changes, not every service.
 	pending sets.Set[types.NamespacedName]
 }
