@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -123,6 +124,10 @@ type Engine struct {
 	svcPortMap   proxy.ServicePortMap
 	endpointsMap proxy.EndpointsMap
 	states       map[proxy.ServicePortName]*proxy.ServiceState
+	// index keeps, per service, what a partial sync needs without visiting
+	// every service: its port names and the counts and health checks
+	// derived from its states (engine_index.go).
+	index serviceIndex
 	// staleConntrack accumulates what applied changes made stale until a
 	// sync succeeds; only used with opts.Conntrack.
 	staleConntrack conntrack.StaleEntries
@@ -179,6 +184,7 @@ func NewEngine(opts EngineOptions) (*Engine, error) {
 		svcPortMap:       proxy.ServicePortMap{},
 		endpointsMap:     proxy.EndpointsMap{},
 		states:           map[proxy.ServicePortName]*proxy.ServiceState{},
+		index:            newServiceIndex(),
 		decisionOpts:     proxy.DecisionOptions{MasqueradeAll: opts.MasqueradeAll, ClusterCIDR: opts.ClusterCIDR, NodeIP: opts.NodeIP},
 	}
 	r, err := runner.NewBoundedFrequencyRunner(runner.Options{
@@ -350,14 +356,15 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 	svcResult := e.serviceChanges.Apply(e.svcPortMap)
 	epResult := e.endpointsChanges.Apply(e.endpointsMap)
 	e.noteStaleConntrack(svcResult, epResult)
+	e.applyServicePorts(svcResult)
 
-	full := e.needFullSync || start.Sub(e.lastFullSync) >= e.opts.FullSyncPeriod
+	full := e.needFullSync || e.index.drifted || start.Sub(e.lastFullSync) >= e.opts.FullSyncPeriod
 	changed := svcResult.UpdatedServices.Union(epResult.UpdatedServices)
 	// The flag is cleared before buildState snapshots the labels: a change
 	// landing in between is either in the snapshot or sets the flag again.
 	if e.topologyChanged.Swap(false) {
-		for name := range e.svcPortMap {
-			changed.Insert(name.NamespacedName)
+		for nn := range e.index.ports {
+			changed.Insert(nn)
 		}
 	}
 	state := e.buildState(changed, full)
@@ -369,20 +376,14 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 	}
 	result.ServiceChanges = svcResult.UpdatedServices.Len()
 	result.EndpointChanges = epResult.UpdatedServices.Len()
-	result.HealthCheckServices = e.healthCheckServices(state)
+	result.HealthCheckServices = e.index.healthCheckServices()
 	if err == nil {
 		result.Backend = backendResult
 		result.RuleCounts = backendResult.RuleCounts
 		result.RulesWritten = backendResult.RulesWritten
 	}
-	for _, st := range state.Services {
-		if st.Decisions.NoLocalEndpointsInternal {
-			result.NoLocalEndpointsInternal++
-		}
-		if st.Decisions.NoLocalEndpointsExternal {
-			result.NoLocalEndpointsExternal++
-		}
-	}
+	result.NoLocalEndpointsInternal = e.index.noLocalInternal
+	result.NoLocalEndpointsExternal = e.index.noLocalExternal
 	for _, times := range epResult.LastChangeTriggerTimes {
 		result.TriggerTimes = append(result.TriggerTimes, times...)
 	}
@@ -405,44 +406,54 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 
 // buildState recomputes the ServiceState of every changed service (all of
 // them on a full sync) and returns the node state for the backend. This is
-// the one place where endpoints are chosen for this node.
+// the one place where endpoints are chosen for this node. A partial sync
+// visits only the ports of the changed services (e.index); a full one
+// rebuilds every state and the index's counts from scratch.
 func (e *Engine) buildState(changed sets.Set[types.NamespacedName], full bool) *proxy.NodeState {
 	topo := e.nodeLabels.TopologyInfo()
-	for name := range e.states {
-		if _, ok := e.svcPortMap[name]; !ok {
-			delete(e.states, name)
+	if full {
+		for name := range e.states {
+			if _, ok := e.svcPortMap[name]; !ok {
+				delete(e.states, name)
+			}
 		}
-	}
-	for name, sp := range e.svcPortMap {
-		if _, ok := e.states[name]; ok && !full && !changed.Has(name.NamespacedName) {
-			continue
+		for name, sp := range e.svcPortMap {
+			e.states[name] = proxy.NewServiceState(sp, e.endpointsMap[name], topo, e.decisionOpts)
 		}
-		e.states[name] = proxy.NewServiceState(sp, e.endpointsMap[name], topo, e.decisionOpts)
+		e.index.recount(e.states, e.endpointsMap)
+	} else {
+		for nn := range changed {
+			for _, name := range e.index.ports[nn] {
+				sp, ok := e.svcPortMap[name]
+				if !ok {
+					// Never: the index follows every Apply (applyServicePorts).
+					e.logger.Error(nil, "Service port index out of date; the next sync will be full", "servicePort", name)
+					e.index.drifted = true
+					continue
+				}
+				st := proxy.NewServiceState(sp, e.endpointsMap[name], topo, e.decisionOpts)
+				e.index.setState(e.states[name], st)
+				e.states[name] = st
+			}
+			e.index.updateHealthCheck(nn, e.states, e.endpointsMap)
+		}
 	}
 	return &proxy.NodeState{Family: e.opts.Family, NodeName: e.opts.NodeName, Options: e.decisionOpts, Services: e.states, Changed: changed}
 }
 
-// healthCheckServices lists the services of state that have a
-// healthCheckNodePort, with the number of distinct Ready endpoint IPs on this
-// node over all their ports (terminating endpoints do not count: a load
-// balancer should stop sending new connections to this node).
-func (e *Engine) healthCheckServices(state *proxy.NodeState) map[types.NamespacedName]HealthCheckService {
-	out := map[types.NamespacedName]HealthCheckService{}
-	localIPs := map[types.NamespacedName]sets.Set[netip.Addr]{}
-	for name, st := range state.Services {
-		if st.HealthCheckNodePort == 0 {
-			continue
-		}
-		nn := name.NamespacedName
-		if localIPs[nn] == nil {
-			localIPs[nn] = sets.New[netip.Addr]()
-		}
-		for _, ep := range e.endpointsMap[name] {
-			if ep.IsLocal && ep.Ready {
-				localIPs[nn].Insert(ep.IP)
+// applyServicePorts brings the index's port names up to date with what
+// one Apply of the service tracker changed, and drops the states of the
+// ports that went away (their service is in the changed set, so
+// buildState revisits its health check).
+func (e *Engine) applyServicePorts(res proxy.UpdateServiceMapResult) {
+	for nn := range res.UpdatedServices {
+		names := res.ServicePorts[nn]
+		for _, old := range e.index.ports[nn] {
+			if !slices.Contains(names, old) {
+				e.index.setState(e.states[old], nil)
+				delete(e.states, old)
 			}
 		}
-		out[nn] = HealthCheckService{Port: st.HealthCheckNodePort, LocalEndpoints: localIPs[nn].Len()}
+		e.index.setPorts(nn, names)
 	}
-	return out
 }

@@ -34,6 +34,9 @@ type EndpointSliceCache struct {
 
 	mu       sync.Mutex
 	services map[types.NamespacedName]*sliceTracker
+	// pending names the services with pending updates, so that
+	// checking changes out costs the changes, not every service.
+	pending sets.Set[types.NamespacedName]
 }
 
 // sliceTracker holds one service's slices: applied is what the last Apply
@@ -111,6 +114,7 @@ func NewEndpointSliceCache(opts EndpointSliceCacheOptions) *EndpointSliceCache {
 		nodeName:    opts.NodeName,
 		logger:      logger.WithValues("ipFamily", opts.Family),
 		services:    make(map[types.NamespacedName]*sliceTracker),
+		pending:     sets.New[types.NamespacedName](),
 	}
 }
 
@@ -168,8 +172,13 @@ func (c *EndpointSliceCache) updatePending(slice *discovery.EndpointSlice, remov
 		tracker.pending[slice.Name] = info
 	}
 	pending = len(tracker.pending) > 0
-	if len(tracker.applied) == 0 && !pending {
-		delete(c.services, nn)
+	if pending {
+		c.pending.Insert(nn)
+	} else {
+		c.pending.Delete(nn)
+		if len(tracker.applied) == 0 {
+			delete(c.services, nn)
+		}
 	}
 	return nn, changed, pending, nil
 }
@@ -178,23 +187,23 @@ func (c *EndpointSliceCache) updatePending(slice *discovery.EndpointSlice, remov
 func (c *EndpointSliceCache) pendingServices() sets.Set[string] {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	out := sets.New[string]()
-	for nn, tracker := range c.services {
-		if len(tracker.pending) > 0 {
-			out.Insert(nn.String())
-		}
+	out := make(sets.Set[string], c.pending.Len())
+	for nn := range c.pending {
+		out.Insert(nn.String())
 	}
 	return out
 }
 
 // checkoutChanges moves every pending update to applied and returns, per
-// service, its endpoints before and after.
+// service, its endpoints before and after. It visits only the services with
+// pending updates.
 func (c *EndpointSliceCache) checkoutChanges() map[types.NamespacedName]*endpointsChange {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	changes := make(map[types.NamespacedName]*endpointsChange)
-	for nn, tracker := range c.services {
-		if len(tracker.pending) == 0 {
+	changes := make(map[types.NamespacedName]*endpointsChange, c.pending.Len())
+	for nn := range c.pending {
+		tracker, ok := c.services[nn]
+		if !ok || len(tracker.pending) == 0 {
 			continue
 		}
 		change := &endpointsChange{previous: c.endpointsMapOf(nn, tracker.applied)}
@@ -211,6 +220,10 @@ func (c *EndpointSliceCache) checkoutChanges() map[types.NamespacedName]*endpoin
 		change.current = c.endpointsMapOf(nn, tracker.applied)
 		changes[nn] = change
 	}
+	// A new set rather than clear: a map keeps the size of its largest
+	// burst (the initial sync's every service), and clearing or ranging
+	// over it would cost that size on every sync.
+	c.pending = sets.New[types.NamespacedName]()
 	return changes
 }
 

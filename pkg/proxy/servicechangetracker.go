@@ -48,6 +48,11 @@ type UpdateServiceMapResult struct {
 	// DeletedUDPClusterIPs holds the ClusterIPs of UDP service ports that
 	// went away, whose conntrack entries must be cleared.
 	DeletedUDPClusterIPs sets.Set[string]
+	// ServicePorts names, per updated service, its ports in the map after
+	// the change, in spec order (none for a deleted service or one without
+	// ports of the family): with the ports it had before, what a caller
+	// indexing the map by service must revisit.
+	ServicePorts map[types.NamespacedName][]ServicePortName
 }
 
 // NewServiceChangeTracker returns an empty tracker for opts.Family.
@@ -147,9 +152,15 @@ func (t *ServiceChangeTracker) Apply(m ServicePortMap) UpdateServiceMapResult {
 	result := UpdateServiceMapResult{
 		UpdatedServices:      sets.New[types.NamespacedName](),
 		DeletedUDPClusterIPs: sets.New[string](),
+		ServicePorts:         make(map[types.NamespacedName][]ServicePortName, len(items)),
 	}
 	for nn, change := range items {
 		result.UpdatedServices.Insert(nn)
+		names := make([]ServicePortName, 0, len(change.current))
+		for _, sp := range change.current {
+			names = append(names, sp.Name)
+		}
+		result.ServicePorts[nn] = names
 		for _, old := range change.previous {
 			name := old.Name
 			cur, stays := change.current.find(name)

@@ -254,6 +254,7 @@ func TestServiceChangeTracker(t *testing.T) {
 			if !result.UpdatedServices.Equal(tc.wantUpdated) {
 				t.Errorf("UpdatedServices = %v, want %v", result.UpdatedServices.UnsortedList(), tc.wantUpdated.UnsortedList())
 			}
+			checkServicePortsIndex(t, result, m)
 			if got := sets.List(result.DeletedUDPClusterIPs); !slices.Equal(got, tc.wantDeletedUDP) {
 				t.Errorf("DeletedUDPClusterIPs = %v, want %v", got, tc.wantDeletedUDP)
 			}
@@ -430,5 +431,28 @@ func TestServiceChangeTrackerConcurrentUse(t *testing.T) {
 	tracker.Apply(m)
 	if len(m) != writers*perWriter {
 		t.Errorf("got %d service ports, want %d", len(m), writers*perWriter)
+	}
+}
+
+// checkServicePortsIndex checks that result.ServicePorts names, for each
+// updated service and for it only, exactly the ports m holds of it.
+func checkServicePortsIndex(t *testing.T, result UpdateServiceMapResult, m ServicePortMap) {
+	t.Helper()
+	if len(result.ServicePorts) != result.UpdatedServices.Len() {
+		t.Errorf("ServicePorts has %d services, want the %d updated ones", len(result.ServicePorts), result.UpdatedServices.Len())
+	}
+	for nn := range result.UpdatedServices {
+		var want []ServicePortName
+		for name := range m {
+			if name.NamespacedName == nn {
+				want = append(want, name)
+			}
+		}
+		got := slices.Clone(result.ServicePorts[nn])
+		slices.SortFunc(got, ServicePortName.Compare)
+		slices.SortFunc(want, ServicePortName.Compare)
+		if !slices.Equal(got, want) {
+			t.Errorf("ServicePorts[%v] = %v, want %v", nn, got, want)
+		}
 	}
 }

@@ -51,6 +51,8 @@ type SyncResult struct {
 	// HealthCheckServices holds, per service with a healthCheckNodePort
 	// (LoadBalancer with externalTrafficPolicy Local), that port and the
 	// number of distinct Ready endpoint IPs on this node, as of this sync.
+	// Read-only: consecutive results share the map until it changes (the
+	// engine maintains it incrementally, copying it on write).
 	HealthCheckServices map[types.NamespacedName]HealthCheckService
 	// Backend is what the backend reported of a successful sync (zero when
 	// the sync failed); RuleCounts and RulesWritten repeat its fields.
