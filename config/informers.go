@@ -108,7 +108,7 @@ func (f *InformerFactories) Shutdown() {
 
 // NewInformerFactories builds the informer factories of opts. None is
 // started. Each factory trims the objects it caches to what kproxy reads
-// (see transformService, transformEndpointSlice and transformNode).
+// (see transformService, sliceTrimmer and transformNode).
 func NewInformerFactories(opts InformerOptions) (*InformerFactories, error) {
 	if opts.Client == nil {
 		return nil, errors.New("building informer factories: no client")
@@ -131,7 +131,7 @@ func NewInformerFactories(opts InformerOptions) (*InformerFactories, error) {
 				options.FieldSelector = serviceFields
 			})),
 		EndpointSlices: informers.NewSharedInformerFactoryWithOptions(opts.Client, opts.ResyncPeriod,
-			informers.WithTransform(transformEndpointSlice),
+			informers.WithTransform(newSliceTrimmer().transform),
 			informers.WithTweakListOptions(func(options *metav1.ListOptions) {
 				options.LabelSelector = sliceLabels
 			})),

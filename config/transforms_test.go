@@ -338,3 +338,43 @@ func checkTrimmed(t *testing.T, what string, got metav1.Object, wantAnnotations,
 		t.Errorf("%s object has labels %v, want %v", what, lbls, wantLabels)
 	}
 }
+
+// TestSliceTrimmerShares: the informer's transform trims as
+// transformEndpointSlice does, and equal condition flags, node names and
+// zones of different slices end up as one value in memory.
+func TestSliceTrimmerShares(t *testing.T) {
+	tr := newSliceTrimmer()
+	a, b := fullSlice(), fullSlice()
+	b.Name = "web-def"
+	b.Endpoints[0].Conditions.Terminating = ptr.To(true)
+	b.Endpoints[0].Zone = ptr.To("z2")
+	wantA, _ := transformEndpointSlice(fullSlice())
+	gotA, _ := tr.transform(a)
+	gotB, _ := tr.transform(b)
+	if !apiequality.Semantic.DeepEqual(gotA, wantA) {
+		t.Errorf("trimmer = %#v, want %#v", gotA, wantA)
+	}
+	ea, eb := gotA.(*discovery.EndpointSlice).Endpoints[0], gotB.(*discovery.EndpointSlice).Endpoints[0]
+	for _, tc := range []struct {
+		name  string
+		same  bool
+		x, y  any
+		value string
+	}{
+		{name: "ready flags shared", same: true, x: ea.Conditions.Ready, y: eb.Conditions.Ready},
+		{name: "ready and serving are one true", same: true, x: ea.Conditions.Ready, y: eb.Conditions.Serving},
+		{name: "false and true differ", same: false, x: ea.Conditions.Terminating, y: eb.Conditions.Terminating},
+		{name: "node names shared", same: true, x: ea.NodeName, y: eb.NodeName},
+		{name: "different zones differ", same: false, x: ea.Zone, y: eb.Zone},
+	} {
+		if got := tc.x == tc.y; got != tc.same {
+			t.Errorf("%s: pointers equal = %v, want %v", tc.name, got, tc.same)
+		}
+	}
+	if *eb.Conditions.Terminating != true || *ea.Conditions.Terminating != false || *eb.Zone != "z2" {
+		t.Errorf("shared values changed meaning: %v %v %q", *ea.Conditions.Terminating, *eb.Conditions.Terminating, *eb.Zone)
+	}
+	if got, _ := tr.transform(fullService()); !apiequality.Semantic.DeepEqual(got, fullService()) {
+		t.Errorf("trimmer changed a Service")
+	}
+}

@@ -36,7 +36,8 @@ type Config struct {
 	Changes int
 	// Out is the JSON report's path (empty: none).
 	Out string
-	// Kproxy is a kproxy program to use (empty: build one).
+	// Kproxy is the kproxy program to use (empty: build one); several,
+	// separated by spaces, each run in turn against the same objects.
 	Kproxy string
 	// StateDir is the control plane's state directory.
 	StateDir string

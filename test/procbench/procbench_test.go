@@ -65,9 +65,9 @@ func TestProcessBenchmark(t *testing.T) {
 		fmt.Printf("procbench: [%6.1fs] %s\n", time.Since(began).Seconds(), fmt.Sprintf(format, args...))
 	}
 
-	binary := cfg.Kproxy
-	if binary == "" {
-		binary = buildKproxy(t)
+	binaries := strings.Fields(cfg.Kproxy)
+	if len(binaries) == 0 {
+		binaries = []string{buildKproxy(t)}
 	}
 	binDir := findBinDir(t)
 	logDir := filepath.Join(filepath.Dir(cfg.Out), "procbench-logs")
@@ -149,20 +149,21 @@ func TestProcessBenchmark(t *testing.T) {
 		}
 		say("%d Services (%d endpoints), %d Nodes in place (%.1f s)",
 			objs.Services(), objs.Services()*EndpointsPerService, objs.Nodes(), time.Since(start).Seconds())
-		for _, mode := range cfg.Modes {
+		for _, run := range runsOf(cfg.Modes, binaries) {
+			mode, binary := run.mode, run.binary
 			if mode == "ipvs" {
 				if ok, why := ipvsSupport(); !ok {
 					results = append(results, Result{Mode: mode, Services: objs.Services(), Nodes: objs.Nodes(), Skipped: why})
 					continue
 				}
 			}
-			say("%s: %d Services, %d Nodes: starting kproxy", mode, objs.Services(), objs.Nodes())
+			say("%s: %d Services, %d Nodes: starting %s", mode, objs.Services(), objs.Nodes(), binary)
 			runStart := time.Now()
 			res, err := Run(ctx, RunOptions{
 				Kproxy: KproxyOptions{
 					Binary: binary, Kubeconfig: kubeconfig, Node: MeasuredNode, Mode: mode,
-					MetricsAddress: "127.0.0.1:10249", ProfileDir: cfg.ProfileDir,
-					Log: filepath.Join(logDir, fmt.Sprintf("kproxy-%s-%d-%d.log", mode, objs.Services(), objs.Nodes())),
+					MetricsAddress: "127.0.0.1:10249", ProfileDir: run.profileDir(cfg.ProfileDir),
+					Log: filepath.Join(logDir, fmt.Sprintf("kproxy-%s-%d-%d%s.log", mode, objs.Services(), objs.Nodes(), run.suffix)),
 				},
 				Objects: objs,
 				Changes: cfg.Changes,
@@ -179,6 +180,39 @@ func TestProcessBenchmark(t *testing.T) {
 			say("%s (run took %.0f s)", TableLine(res), time.Since(runStart).Seconds())
 		}
 	}
+}
+
+// benchRun is one kproxy run of a step: a mode and a program.
+type benchRun struct {
+	mode, binary string
+	// suffix tells the logs of several programs apart ("" for one).
+	suffix string
+}
+
+// runsOf are the runs of a step: every mode with every program (several
+// programs compare builds or settings, e.g. wrapper scripts that exec
+// kproxy with another GOGC, against the same objects).
+func runsOf(modes, binaries []string) []benchRun {
+	var out []benchRun
+	for _, mode := range modes {
+		for i, b := range binaries {
+			r := benchRun{mode: mode, binary: b}
+			if len(binaries) > 1 {
+				r.suffix = fmt.Sprintf("-%d", i)
+			}
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// profileDir is where the run's heap profiles go: dir, or a directory in
+// it per program.
+func (r benchRun) profileDir(dir string) string {
+	if dir == "" || r.suffix == "" {
+		return dir
+	}
+	return filepath.Join(dir, "kproxy"+r.suffix)
 }
 
 // fastClient is an admin client for populating the API server quickly: no
