@@ -16,6 +16,7 @@ import (
 
 	"github.com/kproxy/kproxy/pkg/ipset"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
 	"github.com/kproxy/kproxy/pkg/ipvs"
 	"github.com/kproxy/kproxy/proxier"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
@@ -105,30 +106,12 @@ func (k *fakeKernel) ours(t testing.TB) []string {
 			out = append(out, "set "+s)
 		}
 	}
-	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
-		for _, c := range k.ipt.Chains(table) {
-			if strings.HasPrefix(c, "KPROXY-") {
-				out = append(out, "chain "+c)
-			}
-			for _, r := range k.ipt.Rules(table, ipt.Chain(c)) {
-				if strings.Contains(r, "KPROXY-") && !strings.HasPrefix(c, "KPROXY-") {
-					out = append(out, "jump "+c+" "+r)
-				}
-			}
-		}
+	chains, jumps := iptablestest.Leftovers(k.ipt, "KPROXY-")
+	for _, c := range chains {
+		out = append(out, "chain "+c)
 	}
-	return out
-}
-
-func (k *fakeKernel) serviceList(t testing.TB) []string {
-	t.Helper()
-	svcs, err := k.ipvs.Services(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []string
-	for _, s := range svcs {
-		out = append(out, s.String())
+	for _, j := range jumps {
+		out = append(out, "jump "+j)
 	}
 	return out
 }
@@ -339,8 +322,8 @@ func TestOwnership(t *testing.T) {
 				if left := k.ours(t); len(left) > 0 {
 					t.Errorf("after cleanup %d kproxy's state remains: %v", i, left)
 				}
-				if got := len(k.serviceList(t)); got != len(foreign)+2*boolInt(!tc.wantStaleGone) {
-					t.Errorf("after cleanup %d: virtual servers %v, want only the foreign ones", i, k.serviceList(t))
+				if got := len(k.ipvs.ServiceStrings()); got != len(foreign)+2*boolInt(!tc.wantStaleGone) {
+					t.Errorf("after cleanup %d: virtual servers %v, want only the foreign ones", i, k.ipvs.ServiceStrings())
 				}
 			}
 		})
@@ -598,7 +581,7 @@ func TestSchedulers(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := k.serviceList(t); !slices.Equal(got, []string{tc.want}) {
+			if got := k.ipvs.ServiceStrings(); !slices.Equal(got, []string{tc.want}) {
 				t.Errorf("virtual servers %v, want [%s]", got, tc.want)
 			}
 		})
