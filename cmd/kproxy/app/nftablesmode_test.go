@@ -7,7 +7,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2/ktesting"
@@ -99,20 +98,6 @@ func (l *leftovers) use(deps *runDeps, families ...v1.IPFamily) {
 		deps.iptables[f] = l.ipt[f]
 	}
 	deps.cleanupKernel = &kernelCleanup{ipvs: l.ipvs, ipset: l.sets, nl: l.nl, nft: l.nft}
-}
-
-// stopRun cancels kproxy and waits for run to return.
-func stopRun(t *testing.T, h *runHarness) {
-	t.Helper()
-	h.cancel()
-	select {
-	case err := <-h.done:
-		if err != nil {
-			t.Errorf("run returned %v", err)
-		}
-	case <-time.After(30 * time.Second):
-		t.Error("run did not return after the context was cancelled")
-	}
 }
 
 func (l *leftovers) nftTables() []string {
