@@ -98,6 +98,30 @@ func PropertyRuns() (seeds, steps int) {
 	return 20, 60
 }
 
+// RunProperties runs RunProperty for each of PropertyRuns' seeds and
+// RunScenario for each of PropertyRegressions, as subtests.
+func RunProperties(t *testing.T, factory Factory, opts PropertyOptions) {
+	seeds, steps := PropertyRuns()
+	for seed := 1; seed <= seeds; seed++ {
+		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
+			RunProperty(t, uint64(seed), steps, factory, opts)
+		})
+	}
+	for _, sc := range PropertyRegressions() {
+		t.Run(sc.Name, func(t *testing.T) { RunScenario(t, sc, factory, opts) })
+	}
+}
+
+// FuzzProperty fuzzes RunProperty over the seed and the number of steps
+// (1 to 120), for long runs.
+func FuzzProperty(f *testing.F, factory Factory, opts PropertyOptions) {
+	f.Add(uint64(1000), uint8(30))
+	f.Add(uint64(1001), uint8(30))
+	f.Fuzz(func(t *testing.T, seed uint64, steps uint8) {
+		RunProperty(t, seed, 1+int(steps)%120, factory, opts)
+	})
+}
+
 // RunProperty runs the generated scenario of seed (see GenerateScenario)
 // against the factory's backend; on a failure it names the seed and step
 // and shows the changes that led there.
