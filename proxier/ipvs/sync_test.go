@@ -56,6 +56,40 @@ func (h *harness) sync() SyncStats {
 	return h.backend.LastSync()
 }
 
+// syncStep is one step of a test that changes and syncs one harness in
+// turn.
+type syncStep struct {
+	name   string
+	change func(h *harness) // nil: nothing changes
+	full   bool             // the sync is a full one
+	// check, when set, checks the kernel after the sync.
+	check func(t *testing.T, h *harness)
+	flows []pt.Flow
+}
+
+// runSteps runs the steps in order, each as a subtest, up to the first
+// that fails.
+func (h *harness) runSteps(t *testing.T, steps []syncStep) {
+	for _, step := range steps {
+		ok := t.Run(step.name, func(t *testing.T) {
+			h.t = t
+			if step.change != nil {
+				step.change(h)
+			}
+			if st := h.sync(); st.Full != step.full {
+				t.Errorf("sync full = %v, want %v", st.Full, step.full)
+			}
+			if step.check != nil {
+				step.check(t, h)
+			}
+			h.flows(step.flows...)
+		})
+		if !ok {
+			break
+		}
+	}
+}
+
 func (h *harness) flows(flows ...pt.Flow) {
 	h.t.Helper()
 	pt.CheckFlows(h.t, &tracer{h.k}, flows)
