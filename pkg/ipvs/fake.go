@@ -316,6 +316,18 @@ func (f *Fake) Len() int {
 	return len(f.services)
 }
 
+// ServiceStrings lists the services in the table as Service.String
+// formats them, sorted.
+func (f *Fake) ServiceStrings() []string {
+	svcs, _ := f.Services(context.Background())
+	out := make([]string, 0, len(svcs))
+	for _, s := range svcs {
+		out = append(out, s.String())
+	}
+	slices.Sort(out)
+	return out
+}
+
 // Schedulers lists the available schedulers, sorted.
 func (f *Fake) Schedulers() []string {
 	f.mu.Lock()

@@ -4,7 +4,6 @@ import (
 	"context"
 	"net/netip"
 	"slices"
-	"strings"
 	"testing"
 
 	"github.com/kproxy/kproxy/pkg/ipset"
@@ -88,34 +87,8 @@ func newKernel(t *testing.T) *kernel {
 
 // kproxyChains lists kproxy's chains and the rules leading into them.
 func (k *kernel) kproxyChains() []string {
-	var out []string
-	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
-		for _, c := range k.ipt.Chains(table) {
-			if IsChain(c) {
-				out = append(out, string(table)+"/"+c)
-			}
-			for _, r := range k.ipt.Rules(table, ipt.Chain(c)) {
-				if strings.Contains(r, ChainPrefix) && !IsChain(c) {
-					out = append(out, string(table)+"/"+c+" "+r)
-				}
-			}
-		}
-	}
-	return out
-}
-
-func (k *kernel) services(t *testing.T) []string {
-	t.Helper()
-	svcs, err := k.ipvs.Services(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []string
-	for _, s := range svcs {
-		out = append(out, s.String())
-	}
-	slices.Sort(out)
-	return out
+	chains, jumps := iptablestest.Leftovers(k.ipt, ChainPrefix)
+	return append(chains, jumps...)
 }
 
 func TestCleanup(t *testing.T) {
@@ -180,7 +153,7 @@ func TestCleanup(t *testing.T) {
 					want = append(want, s.String())
 				}
 				slices.Sort(want)
-				if got := k.services(t); !slices.Equal(got, want) {
+				if got := k.ipvs.ServiceStrings(); !slices.Equal(got, want) {
 					t.Errorf("cleanup %d: virtual servers %v, want %v", i, got, want)
 				}
 				sets, err := k.sets.ListSets(ctx)
@@ -214,7 +187,7 @@ func TestCleanupBothFamiliesRemovesTheDevice(t *testing.T) {
 	if devs := k.nl.Devices(); slices.Contains(devs, DefaultDummyDevice) {
 		t.Errorf("the dummy device remains: %v", devs)
 	}
-	if got := k.services(t); !slices.Equal(got, slices.Sorted(slices.Values([]string{backendVIP.String(), foreignVIP.String()}))) {
+	if got := k.ipvs.ServiceStrings(); !slices.Equal(got, slices.Sorted(slices.Values([]string{backendVIP.String(), foreignVIP.String()}))) {
 		t.Errorf("virtual servers %v, want the unrecorded ones", got)
 	}
 }

@@ -2,7 +2,6 @@ package iptables
 
 import (
 	"context"
-	"fmt"
 	"net/netip"
 	"strings"
 	"testing"
@@ -41,34 +40,11 @@ func traceFlow(fake *iptablestest.Fake, local []netip.Addr, flow pt.Flow, recent
 	if err != nil {
 		return pt.Result{}, err
 	}
-	res := pt.Result{Endpoints: map[string]bool{}}
-	verdicts := map[pt.Verdict]bool{}
+	folded := make([]pt.TracedOutcome, 0, len(outs))
 	for _, o := range outs {
-		var v pt.Verdict
-		switch {
-		case o.Verdict == "DROP":
-			v = pt.Dropped
-		case o.Verdict == "REJECT":
-			v = pt.Rejected
-		case o.DNAT != "":
-			v = pt.Delivered
-			if prev, seen := res.Endpoints[o.DNAT]; seen && prev != o.Masquerade {
-				return res, fmt.Errorf("endpoint %s reached both with and without masquerade", o.DNAT)
-			}
-			res.Endpoints[o.DNAT] = o.Masquerade
-		default:
-			v = pt.NotHandled
-		}
-		res.Masquerade = res.Masquerade || o.Masquerade
-		verdicts[v] = true
+		folded = append(folded, pt.TracedOutcome{Verdict: o.Verdict, DNAT: o.DNAT, Masquerade: o.Masquerade})
 	}
-	if len(verdicts) != 1 {
-		return res, fmt.Errorf("flow has mixed outcomes %v", outs)
-	}
-	for v := range verdicts {
-		res.Verdict = v
-	}
-	return res, nil
+	return pt.FoldOutcomes(folded)
 }
 
 func newFakeBackend(t testing.TB, env pt.Env) (*Backend, *iptablestest.Fake) {

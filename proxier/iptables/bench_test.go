@@ -37,7 +37,7 @@ type benchRig struct {
 }
 
 func newBenchRig(tb testing.TB, iface ipt.Interface, svcs []*v1.Service, slices []*discovery.EndpointSlice) *benchRig {
-	clk := testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))
+	clk := pt.NewClock()
 	b, err := New(Options{
 		IPTables:       iface,
 		LocalAddresses: func() ([]netip.Addr, error) { return []netip.Addr{netip.MustParseAddr("10.0.0.1")}, nil },
@@ -45,31 +45,10 @@ func newBenchRig(tb testing.TB, iface ipt.Interface, svcs []*v1.Service, slices 
 	if err != nil {
 		tb.Fatal(err)
 	}
-	e, err := proxier.NewEngine(proxier.EngineOptions{
-		Family: v1.IPv4Protocol, NodeName: "node-0", Backend: b, ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"),
-		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second,
-		Clock: clk,
-	})
-	if err != nil {
-		tb.Fatal(err)
-	}
-	for _, s := range svcs {
-		e.OnServiceAdd(s)
-	}
-	for _, s := range slices {
-		e.OnEndpointSliceAdd(s)
-	}
-	e.OnServiceSynced()
-	e.OnEndpointSlicesSynced()
+	env := pt.DefaultEnv()
+	env.NodeName, env.NodeIPs = "node-0", nil
+	e := pt.NewEngine(tb, b, pt.EngineOptions{Env: env, Clock: clk, Services: svcs, Slices: slices})
 	return &benchRig{engine: e, backend: b, clock: clk}
-}
-
-func timedSync(tb testing.TB, e *proxier.Engine) time.Duration {
-	start := time.Now()
-	if err := e.SyncRules(context.Background()); err != nil {
-		tb.Fatalf("sync: %v", err)
-	}
-	return time.Since(start)
 }
 
 // resetPeakRSS starts a new peak resident memory measurement (Linux resets
@@ -126,7 +105,7 @@ func benchOnce(b *testing.B, n int) {
 
 	runtime.GC()
 	rig := newBenchRig(b, iface, svcs, slices)
-	full := timedSync(b, rig.engine)
+	full := pt.TimedSync(b, rig.engine)
 	st := rig.backend.LastSync()
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
@@ -134,7 +113,7 @@ func benchOnce(b *testing.B, n int) {
 
 	// Restart: a new kproxy over the rules the old one left.
 	restart := newBenchRig(b, iface, svcs, slices)
-	restartDur := timedSync(b, restart.engine)
+	restartDur := pt.TimedSync(b, restart.engine)
 
 	// One endpoint changes in one service, five times.
 	var partials, partialRestores []time.Duration
@@ -142,7 +121,7 @@ func benchOnce(b *testing.B, n int) {
 		sl := slices[n-1-k].DeepCopy()
 		sl.Endpoints[0].Addresses = []string{fmt.Sprintf("10.250.0.%d", k+1)}
 		restart.engine.OnEndpointSliceUpdate(slices[n-1-k], sl)
-		partials = append(partials, timedSync(b, restart.engine))
+		partials = append(partials, pt.TimedSync(b, restart.engine))
 		partialRestores = append(partialRestores, restart.backend.LastSync().RestoreTime)
 	}
 	sort.Slice(partialRestores, func(i, j int) bool { return partialRestores[i] < partialRestores[j] })
@@ -154,7 +133,7 @@ func benchOnce(b *testing.B, n int) {
 	// reaching the last one).
 	fake := iptablestest.NewFake(ipt.ProtocolIPv4)
 	frig := newBenchRig(b, fake, svcs, slices)
-	timedSync(b, frig.engine)
+	pt.TimedSync(b, frig.engine)
 	maxWalk := 0
 	for i := 0; i < n; i += max(1, n/200) {
 		outs, err := fake.Trace(iptablestest.Packet{Source: netip.MustParseAddr("10.244.1.9"), Destination: netip.MustParseAddr(svcs[i].Spec.ClusterIP),
@@ -195,7 +174,7 @@ func BenchmarkPartialSyncCPU(b *testing.B) {
 		b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
 			svcs, slices := pt.Workload(n)
 			rig := newBenchRig(b, iptablestest.NewFake(ipt.ProtocolIPv4), svcs, slices)
-			timedSync(b, rig.engine)
+			pt.TimedSync(b, rig.engine)
 			prev := slices[n-1]
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
@@ -203,7 +182,7 @@ func BenchmarkPartialSyncCPU(b *testing.B) {
 				sl.Endpoints[0].Addresses = []string{fmt.Sprintf("10.250.%d.%d", (i>>8)&0xff, i&0xff)}
 				rig.engine.OnEndpointSliceUpdate(prev, sl)
 				prev = sl
-				timedSync(b, rig.engine)
+				pt.TimedSync(b, rig.engine)
 			}
 		})
 	}
@@ -233,7 +212,7 @@ func BenchmarkMemory(b *testing.B) {
 			})
 			svcs, slices := pt.Workload(n)
 			rig := newBenchRig(b, iface, svcs, slices)
-			timedSync(b, rig.engine)
+			pt.TimedSync(b, rig.engine)
 			firstPeak := peakRSSMiB()
 			runtime.GC()
 			var ms runtime.MemStats
@@ -242,7 +221,7 @@ func BenchmarkMemory(b *testing.B) {
 
 			resetPeakRSS(b)
 			rig.clock.Step(proxier.DefaultFullSyncPeriod)
-			timedSync(b, rig.engine)
+			pt.TimedSync(b, rig.engine)
 			if !rig.backend.LastSync().Full {
 				b.Fatal("the resync was not full")
 			}

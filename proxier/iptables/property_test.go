@@ -2,7 +2,6 @@ package iptables
 
 import (
 	"context"
-	"fmt"
 	"testing"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
@@ -29,24 +28,12 @@ func propertyFactory(t *testing.T, env pt.Env) (proxier.Backend, pt.Tracer) {
 // rules that partial syncs left are those a full sync of the same objects
 // writes (pt.RunScenario).
 func TestPartialSyncMatchesFullSync(t *testing.T) {
-	seeds, steps := pt.PropertyRuns()
-	for seed := 1; seed <= seeds; seed++ {
-		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
-			pt.RunProperty(t, uint64(seed), steps, propertyFactory, pt.PropertyOptions{})
-		})
-	}
-	for _, sc := range pt.PropertyRegressions() {
-		t.Run(sc.Name, func(t *testing.T) { pt.RunScenario(t, sc, propertyFactory, pt.PropertyOptions{}) })
-	}
+	pt.RunProperties(t, propertyFactory, pt.PropertyOptions{})
 }
 
 // FuzzPartialSync runs the property test for any seed, for long runs:
 //
 //	go test -run '^$' -fuzz FuzzPartialSync -fuzztime 5m ./proxier/iptables/
 func FuzzPartialSync(f *testing.F) {
-	f.Add(uint64(1000), uint8(30))
-	f.Add(uint64(1001), uint8(30))
-	f.Fuzz(func(t *testing.T, seed uint64, steps uint8) {
-		pt.RunProperty(t, seed, 1+int(steps)%120, propertyFactory, pt.PropertyOptions{})
-	})
+	pt.FuzzProperty(f, propertyFactory, pt.PropertyOptions{})
 }

@@ -14,7 +14,6 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
-	testingclock "k8s.io/utils/clock/testing"
 	"k8s.io/utils/ptr"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
@@ -176,7 +175,7 @@ func newRealTopo(t *testing.T, fam realFamily) *realTopo {
 			t.Logf("%s-save -t %s in the node namespace (err %v):\n%s", fam.protocol, table, err, out)
 		}
 	})
-	clk := testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))
+	clk := pt.NewClock()
 	topo.backend, err = New(Options{
 		IPTables: iface, Clock: clk,
 		LocalAddresses: func() ([]netip.Addr, error) { return pt.NSAddresses(topo.node) },
@@ -184,23 +183,14 @@ func newRealTopo(t *testing.T, fam realFamily) *realTopo {
 	if err != nil {
 		t.Fatal(err)
 	}
-	topo.engine, err = proxier.NewEngine(proxier.EngineOptions{
-		Family: fam.family, NodeName: realNodeName, Backend: topo.backend, ClusterCIDR: fam.clusterCIDR,
-		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second, Clock: clk,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	topo.engine.OnServiceSynced()
-	topo.engine.OnEndpointSlicesSynced()
+	topo.engine = pt.NewEngine(t, topo.backend, pt.EngineOptions{
+		Env: pt.Env{Family: fam.family, NodeName: realNodeName, ClusterCIDR: fam.clusterCIDR}, Clock: clk})
 	return topo
 }
 
 func (topo *realTopo) sync(t *testing.T) SyncStats {
 	t.Helper()
-	if err := topo.engine.SyncRules(t.Context()); err != nil {
-		t.Fatalf("sync: %v", err)
-	}
+	pt.Sync(t, topo.engine)
 	return topo.backend.LastSync()
 }
 

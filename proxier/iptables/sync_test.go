@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	v1 "k8s.io/api/core/v1"
-	discovery "k8s.io/api/discovery/v1"
 	testingclock "k8s.io/utils/clock/testing"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
@@ -53,8 +51,7 @@ func newHarness(t *testing.T, fake *iptablestest.Fake, opts Options) *harness {
 		fake.RandomFully = true
 	}
 	h := &harness{t: t, fake: fake, iface: &flakyIPTables{Fake: fake},
-		clock: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0)),
-		local: []netip.Addr{netip.MustParseAddr("10.0.0.1")}}
+		clock: pt.NewClock(), local: []netip.Addr{netip.MustParseAddr("10.0.0.1")}}
 	opts.IPTables = h.iface
 	opts.LocalAddresses = func() ([]netip.Addr, error) { return h.local, nil }
 	opts.Clock = h.clock
@@ -63,24 +60,15 @@ func newHarness(t *testing.T, fake *iptablestest.Fake, opts Options) *harness {
 		t.Fatal(err)
 	}
 	h.backend = b
-	e, err := proxier.NewEngine(proxier.EngineOptions{
-		Family: v1.IPv4Protocol, NodeName: "node-a", Backend: b, ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"),
-		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second, Clock: h.clock,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h.engine = e
-	e.OnServiceSynced()
-	e.OnEndpointSlicesSynced()
+	env := pt.DefaultEnv()
+	env.NodeIPs = nil // the engine is not told the node IP
+	h.engine = pt.NewEngine(t, b, pt.EngineOptions{Env: env, Clock: h.clock})
 	return h
 }
 
 func (h *harness) sync() SyncStats {
 	h.t.Helper()
-	if err := h.engine.SyncRules(context.Background()); err != nil {
-		h.t.Fatalf("sync: %v", err)
-	}
+	pt.Sync(h.t, h.engine)
 	return h.backend.LastSync()
 }
 
@@ -90,20 +78,6 @@ func (h *harness) flows(flows ...pt.Flow) {
 }
 
 func (h *harness) chains(table ipt.Table) []string { return h.fake.Chains(table) }
-
-func svcN(i int) (*v1.Service, *discovery.EndpointSlice) {
-	name := fmt.Sprintf("s%04d", i)
-	return pt.Service(name, fmt.Sprintf("10.96.%d.%d", i/250, i%250+1), pt.NodePort(int32(30000+i))),
-		pt.Slice(name, 8080, pt.EP{IP: fmt.Sprintf("10.244.%d.%d", 2+i/250, i%250+1), Node: "node-b"})
-}
-
-func addServices(h *harness, n int) {
-	for i := 0; i < n; i++ {
-		s, sl := svcN(i)
-		h.engine.OnServiceAdd(s)
-		h.engine.OnEndpointSliceAdd(sl)
-	}
-}
 
 func TestPartialSyncs(t *testing.T) {
 	for _, tc := range []struct {
@@ -118,7 +92,7 @@ func TestPartialSyncs(t *testing.T) {
 		{
 			name: "endpoint added rewrites only the service chain (flat dispatch)", services: 10,
 			change: func(h *harness) {
-				_, sl := svcN(3)
+				_, sl := pt.NumberedService(3)
 				sl.Endpoints = append(sl.Endpoints, pt.Slice("x", 8080, pt.EP{IP: "10.244.9.9", Node: "node-c"}).Endpoints...)
 				h.engine.OnEndpointSliceUpdate(nil, sl)
 			},
@@ -129,7 +103,7 @@ func TestPartialSyncs(t *testing.T) {
 		{
 			name: "endpoint added rewrites only the service chain (tree dispatch)", services: 500,
 			change: func(h *harness) {
-				_, sl := svcN(499)
+				_, sl := pt.NumberedService(499)
 				sl.Endpoints = append(sl.Endpoints, pt.Slice("x", 8080, pt.EP{IP: "10.244.9.9", Node: "node-c"}).Endpoints...)
 				h.engine.OnEndpointSliceUpdate(nil, sl)
 			},
@@ -140,7 +114,7 @@ func TestPartialSyncs(t *testing.T) {
 		{
 			name: "new service in tree mode writes its chain and two dispatch leaves", services: 500,
 			change: func(h *harness) {
-				s, sl := svcN(600)
+				s, sl := pt.NumberedService(600)
 				h.engine.OnServiceAdd(s)
 				h.engine.OnEndpointSliceAdd(sl)
 			},
@@ -153,7 +127,7 @@ func TestPartialSyncs(t *testing.T) {
 		{
 			name: "last endpoint removed: service chain deleted, reject appears", services: 10,
 			change: func(h *harness) {
-				_, sl := svcN(5)
+				_, sl := pt.NumberedService(5)
 				h.engine.OnEndpointSliceDelete(sl)
 			},
 			// nat dispatch root and node-port root, filter services and ext-nodeports.
@@ -168,7 +142,7 @@ func TestPartialSyncs(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newHarness(t, nil, Options{})
-			addServices(h, tc.services)
+			pt.AddNumberedServices(h.engine, tc.services)
 			if st := h.sync(); !st.Full {
 				t.Fatalf("first sync was not full: %+v", st)
 			}
@@ -187,9 +161,9 @@ func TestPartialSyncs(t *testing.T) {
 
 func TestServiceDeletionRemovesChains(t *testing.T) {
 	h := newHarness(t, nil, Options{})
-	addServices(h, 3)
+	pt.AddNumberedServices(h.engine, 3)
 	h.sync()
-	s, sl := svcN(1)
+	s, sl := pt.NumberedService(1)
 	svcChain := servicePortChain(kindCluster, pt.ServicePortNameOf(s, "p"))
 	if !slices.Contains(h.chains(ipt.TableNAT), svcChain) {
 		t.Fatalf("chain %s missing after first sync", svcChain)
@@ -211,15 +185,15 @@ func TestRestartOverExistingRules(t *testing.T) {
 		t.Fatal(err)
 	}
 	first := newHarness(t, fake, Options{})
-	addServices(first, 5)
+	pt.AddNumberedServices(first.engine, 5)
 	first.sync()
-	gone, _ := svcN(4)
+	gone, _ := pt.NumberedService(4)
 	goneChain := servicePortChain(kindCluster, pt.ServicePortNameOf(gone, "p"))
 
 	// kproxy restarts while service 4 is deleted.
 	second := newHarness(t, fake, Options{})
 	for i := 0; i < 4; i++ {
-		s, sl := svcN(i)
+		s, sl := pt.NumberedService(i)
 		second.engine.OnServiceAdd(s)
 		second.engine.OnEndpointSliceAdd(sl)
 	}
@@ -254,7 +228,7 @@ func TestRestartOverExistingRules(t *testing.T) {
 
 func TestCanaryRepairsExternalFlush(t *testing.T) {
 	h := newHarness(t, nil, Options{CanaryInterval: 10 * time.Second})
-	addServices(h, 3)
+	pt.AddNumberedServices(h.engine, 3)
 	h.sync()
 	// Someone flushes the nat table and deletes every chain.
 	var b strings.Builder
@@ -284,9 +258,9 @@ func TestCanaryRepairsExternalFlush(t *testing.T) {
 
 func TestFailedRestoreForcesFullSync(t *testing.T) {
 	h := newHarness(t, nil, Options{})
-	addServices(h, 3)
+	pt.AddNumberedServices(h.engine, 3)
 	h.sync()
-	s, sl := svcN(1)
+	s, sl := pt.NumberedService(1)
 	sl.Endpoints[0].Addresses = []string{"10.244.7.7"}
 	h.engine.OnEndpointSliceUpdate(nil, sl)
 	h.iface.failRestores = 1
@@ -302,7 +276,7 @@ func TestFailedRestoreForcesFullSync(t *testing.T) {
 
 func TestBatchedFullSync(t *testing.T) {
 	h := newHarness(t, nil, Options{BatchChains: 7})
-	addServices(h, 40)
+	pt.AddNumberedServices(h.engine, 40)
 	st := h.sync()
 	// 40 services x (SVC + EXT) = 80 service chains, never split across
 	// restores: batches of 8 chains (4 services) while more than 7 chains
@@ -362,7 +336,7 @@ func TestCleanup(t *testing.T) {
 		t.Fatal(err)
 	}
 	h := newHarness(t, fake, Options{})
-	addServices(h, 80)
+	pt.AddNumberedServices(h.engine, 80)
 	h.sync()
 	for i := 0; i < 2; i++ {
 		if err := h.backend.Cleanup(context.Background()); err != nil {
@@ -411,7 +385,7 @@ func TestTopologyLabelChangeRefilters(t *testing.T) {
 
 func TestRulesWrittenByTable(t *testing.T) {
 	h := newHarness(t, nil, Options{})
-	addServices(h, 10)
+	pt.AddNumberedServices(h.engine, 10)
 	h.sync()
 	byTable := func() map[string]int {
 		st := h.backend.LastSync()
@@ -421,7 +395,7 @@ func TestRulesWrittenByTable(t *testing.T) {
 	if full["nat"] == 0 || full["filter"] == 0 {
 		t.Fatalf("full sync wrote %v rules, want some in nat and filter", full)
 	}
-	_, sl := svcN(3)
+	_, sl := pt.NumberedService(3)
 	sl.Endpoints = append(sl.Endpoints, pt.Slice("x", 8080, pt.EP{IP: "10.244.9.9", Node: "node-c"}).Endpoints...)
 	h.engine.OnEndpointSliceUpdate(nil, sl)
 	h.sync()

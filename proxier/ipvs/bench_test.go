@@ -10,7 +10,6 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
-	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/kproxy/kproxy/pkg/ipset"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
@@ -69,31 +68,10 @@ func newBenchRig(b *testing.B, k *benchKernel, svcs []*v1.Service, slices []*dis
 	if err != nil {
 		b.Fatal(err)
 	}
-	e, err := proxier.NewEngine(proxier.EngineOptions{
-		Family: v1.IPv4Protocol, NodeName: "node-0", Backend: backend, ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"),
-		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second,
-		Clock: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0)),
-	})
-	if err != nil {
-		b.Fatal(err)
-	}
-	for _, s := range svcs {
-		e.OnServiceAdd(s)
-	}
-	for _, s := range slices {
-		e.OnEndpointSliceAdd(s)
-	}
-	e.OnServiceSynced()
-	e.OnEndpointSlicesSynced()
+	env := pt.DefaultEnv()
+	env.NodeName, env.NodeIPs = "node-0", nil
+	e := pt.NewEngine(b, backend, pt.EngineOptions{Env: env, Services: svcs, Slices: slices})
 	return e, backend
-}
-
-func timedSync(b *testing.B, e *proxier.Engine) time.Duration {
-	start := time.Now()
-	if err := e.SyncRules(context.Background()); err != nil {
-		b.Fatalf("sync: %v", err)
-	}
-	return time.Since(start)
 }
 
 // BenchmarkIPVSSync measures, per size: the full sync from empty, the first
@@ -107,18 +85,18 @@ func BenchmarkIPVSSync(b *testing.B) {
 				k := newBenchKernel(b)
 				svcs, slices := pt.Workload(n)
 				e, backend := newBenchRig(b, k, svcs, slices)
-				full := timedSync(b, e)
+				full := pt.TimedSync(b, e)
 				st := backend.LastSync()
 
 				e2, _ := newBenchRig(b, k, svcs, slices)
-				restart := timedSync(b, e2)
+				restart := pt.TimedSync(b, e2)
 
 				var partials []time.Duration
 				for j := 0; j < 5; j++ {
 					sl := slices[n-1-j].DeepCopy()
 					sl.Endpoints[0].Addresses = []string{fmt.Sprintf("10.250.0.%d", j+1)}
 					e2.OnEndpointSliceUpdate(slices[n-1-j], sl)
-					partials = append(partials, timedSync(b, e2))
+					partials = append(partials, pt.TimedSync(b, e2))
 				}
 				sort.Slice(partials, func(i, j int) bool { return partials[i] < partials[j] })
 				b.ReportMetric(full.Seconds(), "full-sync-s")

@@ -35,19 +35,16 @@ func TestIPVSFilter(t *testing.T) {
 		{Name: "node address, other port: not kproxy's", Source: extClient, Dest: "10.0.0.1", Port: 22, Want: pt.NotHandled},
 	}
 	// The steps run in order on one node.
-	steps := []struct {
-		name   string
-		change func(h *harness)
-		full   bool
-		flows  []pt.Flow
-	}{
+	steps := []syncStep{
 		{
 			name:  "full sync",
+			check: addressSetMatches,
 			full:  true,
 			flows: webFlows,
 		},
 		{
-			name: "partial sync adds a service",
+			name:  "partial sync adds a service",
+			check: addressSetMatches,
 			change: func(h *harness) {
 				h.engine.OnServiceAdd(late)
 				h.engine.OnEndpointSliceAdd(lateEPs)
@@ -59,13 +56,15 @@ func TestIPVSFilter(t *testing.T) {
 		},
 		{
 			name:   "partial sync deletes it: its address is no longer filtered",
+			check:  addressSetMatches,
 			change: func(h *harness) { h.engine.OnServiceDelete(late) },
 			flows: append([]pt.Flow{
 				{Name: "old cluster IP, other port", Source: pod, Dest: "10.96.0.20", Port: 81, Want: pt.NotHandled},
 			}, webFlows...),
 		},
 		{
-			name: "external IP removed by a partial sync",
+			name:  "external IP removed by a partial sync",
+			check: addressSetMatches,
 			change: func(h *harness) {
 				h.engine.OnServiceUpdate(web, pt.Service("web", "10.96.0.10", pt.NodePort(30080), pt.LoadBalancer("203.0.113.8")))
 			},
@@ -76,7 +75,8 @@ func TestIPVSFilter(t *testing.T) {
 			},
 		},
 		{
-			name: "forced full sync removes a stale entry and keeps the rest",
+			name:  "forced full sync removes a stale entry and keeps the rest",
+			check: addressSetMatches,
 			change: func(h *harness) {
 				if err := h.k.sets.AddEntry(context.Background(), setIPVSAddresses, ipset.Entry{IP: netip.MustParseAddr("10.96.9.9")}); err != nil {
 					h.t.Fatal(err)
@@ -94,23 +94,11 @@ func TestIPVSFilter(t *testing.T) {
 	h := newHarness(t, nil, Options{})
 	h.engine.OnServiceAdd(web)
 	h.engine.OnEndpointSliceAdd(webEPs)
-	for _, step := range steps {
-		ok := t.Run(step.name, func(t *testing.T) {
-			h.t = t
-			if step.change != nil {
-				step.change(h)
-			}
-			if st := h.sync(); st.Full != step.full {
-				t.Errorf("sync full = %v, want %v", st.Full, step.full)
-			}
-			checkIPVSAddressSet(t, h.k)
-			h.flows(step.flows...)
-		})
-		if !ok {
-			break
-		}
-	}
+	h.runSteps(t, steps)
 }
+
+// addressSetMatches is checkIPVSAddressSet as a syncStep check.
+func addressSetMatches(t *testing.T, h *harness) { checkIPVSAddressSet(t, h.k) }
 
 // checkIPVSAddressSet fails unless KPROXY-IPVS-IPS holds exactly the
 // addresses bound to the dummy device.

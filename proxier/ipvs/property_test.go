@@ -146,24 +146,12 @@ var propertyOptions = pt.PropertyOptions{FlowsPerStep: 4}
 // objects makes on a fresh kernel (pt.RunScenario; see DumpState for real
 // servers at weight 0).
 func TestPartialSyncMatchesFullSync(t *testing.T) {
-	seeds, steps := pt.PropertyRuns()
-	for seed := 1; seed <= seeds; seed++ {
-		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
-			pt.RunProperty(t, uint64(seed), steps, propertyFactory, propertyOptions)
-		})
-	}
-	for _, sc := range pt.PropertyRegressions() {
-		t.Run(sc.Name, func(t *testing.T) { pt.RunScenario(t, sc, propertyFactory, propertyOptions) })
-	}
+	pt.RunProperties(t, propertyFactory, propertyOptions)
 }
 
 // FuzzPartialSync runs the property test for any seed, for long runs:
 //
 //	go test -run '^$' -fuzz FuzzPartialSync -fuzztime 5m ./proxier/ipvs/
 func FuzzPartialSync(f *testing.F) {
-	f.Add(uint64(1000), uint8(30))
-	f.Add(uint64(1001), uint8(30))
-	f.Fuzz(func(t *testing.T, seed uint64, steps uint8) {
-		pt.RunProperty(t, seed, 1+int(steps)%120, propertyFactory, propertyOptions)
-	})
+	pt.FuzzProperty(f, propertyFactory, propertyOptions)
 }

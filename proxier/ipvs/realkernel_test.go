@@ -84,7 +84,7 @@ func newRealNode(t *testing.T, serve func(name string, ns *netnstest.NS, bind st
 	t.Helper()
 	requireVM(t)
 	ctx := t.Context()
-	r := &realNode{t: t, pods: map[string]*realPod{}, clock: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))}
+	r := &realNode{t: t, pods: map[string]*realPod{}, clock: pt.NewClock()}
 	r.node = netnstest.New(t, "ipvsnode")
 	def := netip.PrefixFrom(netip.IPv4Unspecified(), 0)
 	r.client = netnstest.New(t, "ipvscli")
@@ -135,23 +135,15 @@ func newRealNode(t *testing.T, serve func(name string, ns *netnstest.NS, bind st
 	if err != nil {
 		t.Fatal(err)
 	}
-	r.engine, err = proxier.NewEngine(proxier.EngineOptions{
-		Family: v1.IPv4Protocol, NodeName: realNodeName, Backend: r.backend, ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"),
-		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second, Clock: r.clock,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.engine.OnServiceSynced()
-	r.engine.OnEndpointSlicesSynced()
+	env := pt.DefaultEnv()
+	env.NodeName, env.NodeIPs = realNodeName, nil
+	r.engine = pt.NewEngine(t, r.backend, pt.EngineOptions{Env: env, Clock: r.clock})
 	return r
 }
 
 func (r *realNode) sync() {
 	r.t.Helper()
-	if err := r.engine.SyncRules(context.Background()); err != nil {
-		r.t.Fatalf("sync: %v", err)
-	}
+	pt.Sync(r.t, r.engine)
 }
 
 // slice is an EndpointSlice of service with the named backends.

@@ -20,15 +20,18 @@ func TestBothPoliciesLocalShortcut(t *testing.T) {
 	twoEPs := pt.Slice("both", 8080, pt.EP{IP: "10.244.1.5", Node: "node-a"}, pt.EP{IP: "10.244.2.5", Node: "node-b"})
 	oneEP := pt.Slice("both", 8080, pt.EP{IP: "10.244.1.5", Node: "node-a"})
 	chain := clusterChain(pt.ServicePortNameOf(both, "p"))
-	steps := []struct {
-		name      string
-		change    func(h *harness)
-		full      bool
-		wantChain bool
-		flows     []pt.Flow
-	}{
+	// chainPresent checks that the port's own chain is there, or not.
+	chainPresent := func(want bool) func(t *testing.T, h *harness) {
+		return func(t *testing.T, h *harness) {
+			t.Helper()
+			if has := slices.Contains(h.k.ipt.Chains(ipt.TableNAT), chain); has != want {
+				t.Errorf("chain %s present = %v, want %v", chain, has, want)
+			}
+		}
+	}
+	steps := []syncStep{
 		{
-			name: "both Local, a local and a remote endpoint", full: true, wantChain: true,
+			name: "both Local, a local and a remote endpoint", full: true, check: chainPresent(true),
 			flows: []pt.Flow{
 				{Name: "pod to node port", Source: pod, Dest: "10.0.0.1", Port: 30040, Want: pt.Delivered, WantEndpoints: []string{local, remote}},
 				{Name: "pod to load balancer IP", Source: pod, Dest: "203.0.113.40", Port: 80, Want: pt.Delivered, WantEndpoints: []string{local, remote}},
@@ -41,15 +44,16 @@ func TestBothPoliciesLocalShortcut(t *testing.T) {
 			},
 		},
 		{
-			name:      "remote endpoint leaves (partial sync)",
-			change:    func(h *harness) { h.engine.OnEndpointSliceUpdate(twoEPs, oneEP) },
-			wantChain: true,
+			name:   "remote endpoint leaves (partial sync)",
+			change: func(h *harness) { h.engine.OnEndpointSliceUpdate(twoEPs, oneEP) },
+			check:  chainPresent(true),
 			flows: []pt.Flow{
 				{Name: "pod to node port", Source: pod, Dest: "10.0.0.1", Port: 30040, Want: pt.Delivered, WantEndpoints: []string{local}},
 			},
 		},
 		{
-			name: "remote endpoint back, internal policy Cluster (partial sync): through the cluster IP again",
+			name:  "remote endpoint back, internal policy Cluster (partial sync): through the cluster IP again",
+			check: chainPresent(false),
 			change: func(h *harness) {
 				h.engine.OnEndpointSliceUpdate(oneEP, twoEPs)
 				h.engine.OnServiceUpdate(both, pt.Service("both", "10.96.0.40", opts...))
@@ -60,10 +64,10 @@ func TestBothPoliciesLocalShortcut(t *testing.T) {
 			},
 		},
 		{
-			name:      "internal policy Local again, then a forced full sync",
-			change:    func(h *harness) { h.engine.OnServiceUpdate(nil, both); h.backend.initialized = false },
-			full:      true,
-			wantChain: true,
+			name:   "internal policy Local again, then a forced full sync",
+			change: func(h *harness) { h.engine.OnServiceUpdate(nil, both); h.backend.initialized = false },
+			full:   true,
+			check:  chainPresent(true),
 			flows: []pt.Flow{
 				{Name: "pod to node port", Source: pod, Dest: "10.0.0.1", Port: 30040, Want: pt.Delivered, WantEndpoints: []string{local, remote}},
 			},
@@ -72,22 +76,5 @@ func TestBothPoliciesLocalShortcut(t *testing.T) {
 	h := newHarness(t, nil, Options{})
 	h.engine.OnServiceAdd(both)
 	h.engine.OnEndpointSliceAdd(twoEPs)
-	for _, step := range steps {
-		ok := t.Run(step.name, func(t *testing.T) {
-			h.t = t
-			if step.change != nil {
-				step.change(h)
-			}
-			if st := h.sync(); st.Full != step.full {
-				t.Errorf("sync full = %v, want %v", st.Full, step.full)
-			}
-			if has := slices.Contains(h.k.ipt.Chains(ipt.TableNAT), chain); has != step.wantChain {
-				t.Errorf("chain %s present = %v, want %v", chain, has, step.wantChain)
-			}
-			h.flows(step.flows...)
-		})
-		if !ok {
-			break
-		}
-	}
+	h.runSteps(t, steps)
 }

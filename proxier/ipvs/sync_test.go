@@ -16,6 +16,7 @@ import (
 
 	"github.com/kproxy/kproxy/pkg/ipset"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
 	"github.com/kproxy/kproxy/pkg/ipvs"
 	"github.com/kproxy/kproxy/proxier"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
@@ -40,48 +41,58 @@ func newHarness(t *testing.T, k *fakeKernel, opts Options) *harness {
 	if k == nil {
 		k = newFakeKernel(t, v1.IPv4Protocol, []netip.Addr{nodeIP})
 	}
-	h := &harness{t: t, k: k, clock: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))}
+	h := &harness{t: t, k: k, clock: pt.NewClock()}
 	opts.Clock = h.clock
 	h.backend = k.backend(t, opts)
-	e, err := proxier.NewEngine(proxier.EngineOptions{
-		Family: v1.IPv4Protocol, NodeName: "node-a", Backend: h.backend, ClusterCIDR: clusterCIDR, NodeIP: nodeIP,
-		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second, Clock: h.clock,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h.engine = e
-	e.OnServiceSynced()
-	e.OnEndpointSlicesSynced()
+	env := pt.DefaultEnv()
+	env.NodeIPs, env.ClusterCIDR = []netip.Addr{nodeIP}, clusterCIDR
+	h.engine = pt.NewEngine(t, h.backend, pt.EngineOptions{Env: env, Clock: h.clock})
 	return h
 }
 
 func (h *harness) sync() SyncStats {
 	h.t.Helper()
-	if err := h.engine.SyncRules(context.Background()); err != nil {
-		h.t.Fatalf("sync: %v", err)
-	}
+	pt.Sync(h.t, h.engine)
 	return h.backend.LastSync()
+}
+
+// syncStep is one step of a test that changes and syncs one harness in
+// turn.
+type syncStep struct {
+	name   string
+	change func(h *harness) // nil: nothing changes
+	full   bool             // the sync is a full one
+	// check, when set, checks the kernel after the sync.
+	check func(t *testing.T, h *harness)
+	flows []pt.Flow
+}
+
+// runSteps runs the steps in order, each as a subtest, up to the first
+// that fails.
+func (h *harness) runSteps(t *testing.T, steps []syncStep) {
+	for _, step := range steps {
+		ok := t.Run(step.name, func(t *testing.T) {
+			h.t = t
+			if step.change != nil {
+				step.change(h)
+			}
+			if st := h.sync(); st.Full != step.full {
+				t.Errorf("sync full = %v, want %v", st.Full, step.full)
+			}
+			if step.check != nil {
+				step.check(t, h)
+			}
+			h.flows(step.flows...)
+		})
+		if !ok {
+			break
+		}
+	}
 }
 
 func (h *harness) flows(flows ...pt.Flow) {
 	h.t.Helper()
 	pt.CheckFlows(h.t, &tracer{h.k}, flows)
-}
-
-// svcN is service i: a ClusterIP and a node port, one endpoint on node-b.
-func svcN(i int) (*v1.Service, *discovery.EndpointSlice) {
-	name := fmt.Sprintf("s%04d", i)
-	return pt.Service(name, fmt.Sprintf("10.96.%d.%d", i/250, i%250+1), pt.NodePort(int32(30000+i))),
-		pt.Slice(name, 8080, pt.EP{IP: fmt.Sprintf("10.244.%d.%d", 2+i/250, i%250+1), Node: "node-b"})
-}
-
-func addServices(h *harness, n int) {
-	for i := 0; i < n; i++ {
-		s, sl := svcN(i)
-		h.engine.OnServiceAdd(s)
-		h.engine.OnEndpointSliceAdd(sl)
-	}
 }
 
 // vs returns the kernel's virtual server, nil when absent.
@@ -129,30 +140,12 @@ func (k *fakeKernel) ours(t testing.TB) []string {
 			out = append(out, "set "+s)
 		}
 	}
-	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
-		for _, c := range k.ipt.Chains(table) {
-			if strings.HasPrefix(c, "KPROXY-") {
-				out = append(out, "chain "+c)
-			}
-			for _, r := range k.ipt.Rules(table, ipt.Chain(c)) {
-				if strings.Contains(r, "KPROXY-") && !strings.HasPrefix(c, "KPROXY-") {
-					out = append(out, "jump "+c+" "+r)
-				}
-			}
-		}
+	chains, jumps := iptablestest.Leftovers(k.ipt, "KPROXY-")
+	for _, c := range chains {
+		out = append(out, "chain "+c)
 	}
-	return out
-}
-
-func (k *fakeKernel) serviceList(t testing.TB) []string {
-	t.Helper()
-	svcs, err := k.ipvs.Services(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []string
-	for _, s := range svcs {
-		out = append(out, s.String())
+	for _, j := range jumps {
+		out = append(out, "jump "+j)
 	}
 	return out
 }
@@ -171,7 +164,7 @@ func TestPartialSyncs(t *testing.T) {
 		{
 			name: "endpoint added: one real server per virtual server of that service",
 			change: func(h *harness) {
-				_, sl := svcN(3)
+				_, sl := pt.NumberedService(3)
 				sl.Endpoints = append(sl.Endpoints, pt.Slice("x", 8080, pt.EP{IP: "10.244.9.9", Node: "node-c"}).Endpoints...)
 				h.engine.OnEndpointSliceUpdate(nil, sl)
 			},
@@ -182,7 +175,7 @@ func TestPartialSyncs(t *testing.T) {
 		{
 			name: "local endpoint added: its hairpin entry too",
 			change: func(h *harness) {
-				_, sl := svcN(3)
+				_, sl := pt.NumberedService(3)
 				sl.Endpoints = append(sl.Endpoints, pt.Slice("x", 8080, pt.EP{IP: "10.244.1.7", Node: "node-a"}).Endpoints...)
 				h.engine.OnEndpointSliceUpdate(nil, sl)
 			},
@@ -193,7 +186,7 @@ func TestPartialSyncs(t *testing.T) {
 		{
 			name: "new service: its virtual servers, address and set entries",
 			change: func(h *harness) {
-				s, sl := svcN(60)
+				s, sl := pt.NumberedService(60)
 				h.engine.OnServiceAdd(s)
 				h.engine.OnEndpointSliceAdd(sl)
 			},
@@ -205,7 +198,7 @@ func TestPartialSyncs(t *testing.T) {
 		{
 			name: "service deleted: its virtual servers, address and entries go",
 			change: func(h *harness) {
-				s, _ := svcN(5)
+				s, _ := pt.NumberedService(5)
 				h.engine.OnServiceDelete(s)
 			},
 			want: SyncStats{ServicesDeleted: 2, EntriesDeleted: 3, AddressesUnbound: 1},
@@ -217,7 +210,7 @@ func TestPartialSyncs(t *testing.T) {
 		{
 			name: "session affinity turned on: the virtual servers are updated in place",
 			change: func(h *harness) {
-				s, _ := svcN(7)
+				s, _ := pt.NumberedService(7)
 				h.engine.OnServiceUpdate(nil, pt.Service(s.Name, s.Spec.ClusterIP, pt.NodePort(30007), pt.Affinity(60)))
 			},
 			want: SyncStats{ServicesUpdated: 2},
@@ -225,7 +218,7 @@ func TestPartialSyncs(t *testing.T) {
 		{
 			name: "externalTrafficPolicy Local: the shortcut chain is rewritten",
 			change: func(h *harness) {
-				s, _ := svcN(8)
+				s, _ := pt.NumberedService(8)
 				h.engine.OnServiceUpdate(nil, pt.Service(s.Name, s.Spec.ClusterIP, pt.NodePort(30008), pt.ExternalLocal()))
 			},
 			// NODE-PORT-LOCAL and EXTERNAL-DROP entries; the node port's
@@ -239,7 +232,7 @@ func TestPartialSyncs(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newHarness(t, nil, Options{})
-			addServices(h, 20)
+			pt.AddNumberedServices(h.engine, 20)
 			if st := h.sync(); !st.Full {
 				t.Fatalf("first sync not full: %+v", st)
 			}
@@ -332,7 +325,7 @@ func TestOwnership(t *testing.T) {
 			}
 
 			h := newHarness(t, k, Options{ExcludeCIDRs: tc.exclude})
-			addServices(h, 3)
+			pt.AddNumberedServices(h.engine, 3)
 			h.sync()
 			checkForeign := func(when string) {
 				t.Helper()
@@ -363,8 +356,8 @@ func TestOwnership(t *testing.T) {
 				if left := k.ours(t); len(left) > 0 {
 					t.Errorf("after cleanup %d kproxy's state remains: %v", i, left)
 				}
-				if got := len(k.serviceList(t)); got != len(foreign)+2*boolInt(!tc.wantStaleGone) {
-					t.Errorf("after cleanup %d: virtual servers %v, want only the foreign ones", i, k.serviceList(t))
+				if got := len(k.ipvs.ServiceStrings()); got != len(foreign)+2*boolInt(!tc.wantStaleGone) {
+					t.Errorf("after cleanup %d: virtual servers %v, want only the foreign ones", i, k.ipvs.ServiceStrings())
 				}
 			}
 		})
@@ -375,7 +368,7 @@ func TestRestartOverExistingState(t *testing.T) {
 	ctx := context.Background()
 	k := newFakeKernel(t, v1.IPv4Protocol, []netip.Addr{nodeIP})
 	h1 := newHarness(t, k, Options{})
-	addServices(h1, 5)
+	pt.AddNumberedServices(h1.engine, 5)
 	h1.sync()
 	// Traffic: a connection on service 0's real server.
 	s0 := k.vs(t, "10.96.0.1", ipvs.ProtocolTCP, 80)
@@ -385,7 +378,7 @@ func TestRestartOverExistingState(t *testing.T) {
 
 	// A new kproxy, while service 4 was deleted.
 	h2 := newHarness(t, k, Options{})
-	addServices(h2, 4)
+	pt.AddNumberedServices(h2.engine, 4)
 	st := h2.sync()
 	want := SyncStats{Full: true, ServicesDeleted: 2, EntriesDeleted: 3, AddressesUnbound: 1}
 	st.Duration, st.VirtualServers, st.Terminating, st.Restores = 0, 0, 0, 0
@@ -494,7 +487,7 @@ func TestGracefulTermination(t *testing.T) {
 
 func TestTerminatingRealServerComesBack(t *testing.T) {
 	h := newHarness(t, nil, Options{})
-	s, sl := svcN(0)
+	s, sl := pt.NumberedService(0)
 	sl.Endpoints = append(sl.Endpoints, pt.Slice("x", 8080, pt.EP{IP: "10.244.9.9", Node: "node-c"}).Endpoints...)
 	h.engine.OnServiceAdd(s)
 	h.engine.OnEndpointSliceAdd(sl)
@@ -503,7 +496,7 @@ func TestTerminatingRealServerComesBack(t *testing.T) {
 	if err := h.k.ipvs.SetConnections(vs, &ipvs.Destination{Address: netip.MustParseAddr("10.244.9.9"), Port: 8080}, 1, 0); err != nil {
 		t.Fatal(err)
 	}
-	_, one := svcN(0)
+	_, one := pt.NumberedService(0)
 	h.engine.OnEndpointSliceUpdate(sl, one)
 	h.sync()
 	if got := h.k.dests(t, vs); !slices.Contains(got, "10.244.9.9:8080 weight 0") {
@@ -571,7 +564,7 @@ func TestKernelSettings(t *testing.T) {
 			k := newFakeKernel(t, v1.IPv4Protocol, []netip.Addr{nodeIP})
 			k.sysctl.SetReadOnly(tc.readOnly)
 			h := newHarness(t, k, tc.opts)
-			addServices(h, 1)
+			pt.AddNumberedServices(h.engine, 1)
 			h.sync()
 			if got := k.sysctl.Values(); fmt.Sprint(got) != fmt.Sprint(tc.wantSysctls) {
 				t.Errorf("sysctls %v, want %v", got, tc.wantSysctls)
@@ -622,7 +615,7 @@ func TestSchedulers(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := k.serviceList(t); !slices.Equal(got, []string{tc.want}) {
+			if got := k.ipvs.ServiceStrings(); !slices.Equal(got, []string{tc.want}) {
 				t.Errorf("virtual servers %v, want [%s]", got, tc.want)
 			}
 		})
@@ -641,7 +634,7 @@ func TestCleanupRemovesBothModesChains(t *testing.T) {
 		t.Fatal(err)
 	}
 	h := newHarness(t, k, Options{})
-	addServices(h, 2)
+	pt.AddNumberedServices(h.engine, 2)
 	h.sync()
 	if err := h.backend.Cleanup(ctx); err != nil {
 		t.Fatal(err)

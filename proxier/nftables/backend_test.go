@@ -1,7 +1,6 @@
 package nftables
 
 import (
-	"fmt"
 	"net/netip"
 	"slices"
 	"strings"
@@ -40,34 +39,11 @@ func (f *fakeTracer) Trace(flow pt.Flow) (pt.Result, error) {
 }
 
 func toResult(outs []nftablestest.Outcome) (pt.Result, error) {
-	res := pt.Result{Endpoints: map[string]bool{}}
-	verdicts := map[pt.Verdict]bool{}
+	folded := make([]pt.TracedOutcome, 0, len(outs))
 	for _, o := range outs {
-		var v pt.Verdict
-		switch {
-		case o.Verdict == "drop":
-			v = pt.Dropped
-		case o.Verdict == "reject":
-			v = pt.Rejected
-		case o.DNAT != "":
-			v = pt.Delivered
-			if prev, seen := res.Endpoints[o.DNAT]; seen && prev != o.Masquerade {
-				return res, fmt.Errorf("endpoint %s reached both with and without masquerade", o.DNAT)
-			}
-			res.Endpoints[o.DNAT] = o.Masquerade
-		default:
-			v = pt.NotHandled
-		}
-		res.Masquerade = res.Masquerade || o.Masquerade
-		verdicts[v] = true
+		folded = append(folded, pt.TracedOutcome{Verdict: o.Verdict, DNAT: o.DNAT, Masquerade: o.Masquerade})
 	}
-	if len(verdicts) != 1 {
-		return res, fmt.Errorf("flow has mixed outcomes %+v", outs)
-	}
-	for v := range verdicts {
-		res.Verdict = v
-	}
-	return res, nil
+	return pt.FoldOutcomes(folded)
 }
 
 // DumpState is the fake's table with element lines sorted (their order

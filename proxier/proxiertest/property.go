@@ -8,12 +8,10 @@ import (
 	"sort"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/go-logr/logr/funcr"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
-	testingclock "k8s.io/utils/clock/testing"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/proxier"
@@ -100,6 +98,30 @@ func PropertyRuns() (seeds, steps int) {
 	return 20, 60
 }
 
+// RunProperties runs RunProperty for each of PropertyRuns' seeds and
+// RunScenario for each of PropertyRegressions, as subtests.
+func RunProperties(t *testing.T, factory Factory, opts PropertyOptions) {
+	seeds, steps := PropertyRuns()
+	for seed := 1; seed <= seeds; seed++ {
+		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
+			RunProperty(t, uint64(seed), steps, factory, opts)
+		})
+	}
+	for _, sc := range PropertyRegressions() {
+		t.Run(sc.Name, func(t *testing.T) { RunScenario(t, sc, factory, opts) })
+	}
+}
+
+// FuzzProperty fuzzes RunProperty over the seed and the number of steps
+// (1 to 120), for long runs.
+func FuzzProperty(f *testing.F, factory Factory, opts PropertyOptions) {
+	f.Add(uint64(1000), uint8(30))
+	f.Add(uint64(1001), uint8(30))
+	f.Fuzz(func(t *testing.T, seed uint64, steps uint8) {
+		RunProperty(t, seed, 1+int(steps)%120, factory, opts)
+	})
+}
+
 // RunProperty runs the generated scenario of seed (see GenerateScenario)
 // against the factory's backend; on a failure it names the seed and step
 // and shows the changes that led there.
@@ -179,19 +201,12 @@ func describeScenario(sc Scenario) string {
 // newPropertyEngine builds an engine over backend, with its caches synced.
 func newPropertyEngine(t *testing.T, env Env, backend proxier.Backend, onSync func(proxier.SyncResult)) *proxier.Engine {
 	t.Helper()
-	e, err := proxier.NewEngine(proxier.EngineOptions{
-		Family: env.Family, NodeName: env.NodeName, Backend: backend,
-		MasqueradeAll: env.MasqueradeAll, ClusterCIDR: env.ClusterCIDR, NodeIP: env.NodeIPs[0],
-		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second,
-		Clock:  testingclock.NewFakeClock(time.Unix(1_700_000_000, 0)),
-		OnSync: onSync,
+	e := NewEngine(t, backend, EngineOptions{Env: env, OnSync: onSync,
 		// Malformed annotations are logged on every sync of a fresh engine.
 		// (logr.Discard has no sink, which means "klog" to the engine.)
 		Logger: funcr.New(func(string, string) {}, funcr.Options{}),
 	})
-	if err != nil {
-		t.Fatalf("NewEngine: %v", err)
-	}
+	e.OnNodeSynced()
 	return e
 }
 
@@ -211,9 +226,6 @@ func runScenario(t *testing.T, sc Scenario, factory Factory, opts PropertyOption
 			partial++
 		}
 	})
-	engineA.OnServiceSynced()
-	engineA.OnEndpointSlicesSynced()
-	engineA.OnNodeSynced()
 
 	seed := uint64(len(sc.Batches))
 	for _, c := range sc.Name {
@@ -234,9 +246,6 @@ func runScenario(t *testing.T, sc Scenario, factory Factory, opts PropertyOption
 		backendB, tracerB := factory(t, sc.Env)
 		engineB := newPropertyEngine(t, sc.Env, backendB, nil)
 		w.feed(engineB)
-		engineB.OnServiceSynced()
-		engineB.OnEndpointSlicesSynced()
-		engineB.OnNodeSynced()
 		if err := engineB.SyncRules(ctx); err != nil {
 			return &failure{step, fmt.Sprintf("full sync of the same objects failed: %v", err)}, ""
 		}

@@ -6,17 +6,14 @@
 package proxiertest
 
 import (
-	"context"
 	"fmt"
 	"net/netip"
 	"sort"
 	"strings"
 	"testing"
-	"time"
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
-	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier"
@@ -168,29 +165,8 @@ func RunCase(t *testing.T, c Case, factory Factory) {
 	t.Helper()
 	env := c.env()
 	backend, tracer := factory(t, env)
-	engine, err := proxier.NewEngine(proxier.EngineOptions{
-		Family: env.Family, NodeName: env.NodeName, Backend: backend,
-		MasqueradeAll: env.MasqueradeAll, ClusterCIDR: env.ClusterCIDR, NodeIP: env.NodeIPs[0],
-		MinSyncPeriod: time.Second, SyncPeriod: 30 * time.Second,
-		Clock: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0)),
-	})
-	if err != nil {
-		t.Fatalf("NewEngine: %v", err)
-	}
-	for _, n := range c.Nodes {
-		engine.OnNodeAdd(n)
-	}
-	for _, s := range c.Services {
-		engine.OnServiceAdd(s)
-	}
-	for _, s := range c.Slices {
-		engine.OnEndpointSliceAdd(s)
-	}
-	engine.OnServiceSynced()
-	engine.OnEndpointSlicesSynced()
-	if err := engine.SyncRules(context.Background()); err != nil {
-		t.Fatalf("sync: %v", err)
-	}
+	engine := NewEngine(t, backend, EngineOptions{Env: env, Nodes: c.Nodes, Services: c.Services, Slices: c.Slices})
+	Sync(t, engine)
 	CheckFlows(t, tracer, c.Flows)
 }
 

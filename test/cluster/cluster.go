@@ -459,7 +459,7 @@ func (c *Cluster) exited(names ...string) error {
 	for _, p := range c.procs {
 		if (len(names) == 0 || slices.Contains(names, p.Name)) && !p.alive() {
 			log := c.l.logFile(p.Name)
-			return fmt.Errorf("%s exited; its log %s ends:\n%s", p.Name, log, tail(log, 15))
+			return fmt.Errorf("%s exited; its log %s ends:\n%s", p.Name, log, TailFile(log, 15))
 		}
 	}
 	return nil
@@ -506,7 +506,7 @@ func (c *Cluster) waitAPIReady(ctx context.Context) error {
 			return fmt.Errorf("API server not ready after %s (last: %s); see %s and %s",
 				apiReadyTimeout, last, c.l.logFile(progAPIServer), c.l.logFile(progEtcd))
 		}
-		if err := sleep(ctx, 250*time.Millisecond); err != nil {
+		if err := Sleep(ctx, 250*time.Millisecond); err != nil {
 			return fmt.Errorf("waiting for the API server: %w", err)
 		}
 	}
@@ -522,7 +522,7 @@ func (c *Cluster) waitNamespace(ctx context.Context, name string) error {
 		if time.Now().After(deadline) {
 			return fmt.Errorf("namespace %s not created after %s: %w; see %s", name, bootstrapTimeout, err, c.l.logFile(progAPIServer))
 		}
-		if err := sleep(ctx, 200*time.Millisecond); err != nil {
+		if err := Sleep(ctx, 200*time.Millisecond); err != nil {
 			return fmt.Errorf("waiting for namespace %s: %w", name, err)
 		}
 	}
@@ -590,7 +590,7 @@ func (c *Cluster) waitAgents(ctx context.Context, heartbeat metav1.Time) error {
 			return fmt.Errorf("the node agent of %s did not renew its Ready condition within %s; see %s",
 				node, agentTimeout, c.l.logFile(progAgent+"/"+node))
 		}
-		if err := sleep(ctx, 200*time.Millisecond); err != nil {
+		if err := Sleep(ctx, 200*time.Millisecond); err != nil {
 			return fmt.Errorf("waiting for the node agents: %w", err)
 		}
 	}
@@ -606,7 +606,8 @@ func readyCondition(n *v1.Node) *v1.NodeCondition {
 	return nil
 }
 
-func sleep(ctx context.Context, d time.Duration) error {
+// Sleep waits d, or until ctx is done (then its error).
+func Sleep(ctx context.Context, d time.Duration) error {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {

@@ -216,7 +216,7 @@ func (c *Cluster) waitKproxies(ctx context.Context, offsets map[string]int64) er
 		}
 		synced, err := kproxyStartedAndSynced(data, offsets[node], mode)
 		if err != nil {
-			return fmt.Errorf("kproxy on %s: %w; its log %s ends:\n%s", node, err, log, tail(log, 15))
+			return fmt.Errorf("kproxy on %s: %w; its log %s ends:\n%s", node, err, log, TailFile(log, 15))
 		}
 		if synced {
 			pending = pending[1:]
@@ -227,9 +227,9 @@ func (c *Cluster) waitKproxies(ctx context.Context, offsets map[string]int64) er
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("kproxy on %s did not log a start in mode %s and a sync within %s; its log %s ends:\n%s",
-				node, mode, agentTimeout, log, tail(log, 15))
+				node, mode, agentTimeout, log, TailFile(log, 15))
 		}
-		if err := sleep(ctx, 200*time.Millisecond); err != nil {
+		if err := Sleep(ctx, 200*time.Millisecond); err != nil {
 			return fmt.Errorf("waiting for kproxy on %s: %w", node, err)
 		}
 	}

@@ -297,8 +297,8 @@ func parseNSLink(link string) (uint64, bool) {
 	return ino, err == nil
 }
 
-// tail returns up to n last lines of a file, for error messages.
-func tail(path string, n int) string {
+// TailFile returns up to n last lines of a file, for error messages.
+func TailFile(path string, n int) string {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return ""

@@ -7,6 +7,8 @@ import (
 	"math"
 	"slices"
 	"time"
+
+	"github.com/kproxy/kproxy/test/cluster"
 )
 
 // Defaults of RunOptions.
@@ -304,7 +306,7 @@ func waitFirstSync(ctx context.Context, k *Kproxy, timeout time.Duration) (syncS
 		if time.Now().After(deadline) {
 			return syncState{}, fmt.Errorf("no first sync within %s (last: %v); kproxy's log ends:\n%s", timeout, last, k.LogTail(15))
 		}
-		if err := sleep(ctx, 100*time.Millisecond); err != nil {
+		if err := cluster.Sleep(ctx, 100*time.Millisecond); err != nil {
 			return syncState{}, err
 		}
 	}
@@ -350,7 +352,7 @@ func measureChange(ctx context.Context, k *Kproxy, w *CommitWatcher, opts RunOpt
 		return ch, err
 	}
 	if wait := opts.Settle - time.Since(st0.LastSync); wait > 0 {
-		if err := sleep(ctx, wait); err != nil {
+		if err := cluster.Sleep(ctx, wait); err != nil {
 			return ch, err
 		}
 	}
@@ -416,7 +418,7 @@ func measureChange(ctx context.Context, k *Kproxy, w *CommitWatcher, opts RunOpt
 	ch.synced = st.LastSync.Sub(t0)
 	ch.netProgSum, ch.netProgCount = st.NetProgSum-st0.NetProgSum, st.NetProgCount-st0.NetProgCount
 	if w != nil {
-		if err := sleep(ctx, drain); err != nil {
+		if err := cluster.Sleep(ctx, drain); err != nil {
 			return ch, err
 		}
 		evs := w.Since(t0)
@@ -464,14 +466,3 @@ func ms(d time.Duration) float64 { return round3(float64(d) / float64(time.Milli
 func mib(bytes int64) float64 { return round3(float64(bytes) / (1 << 20)) }
 
 func round3(f float64) float64 { return math.Round(f*1000) / 1000 }
-
-func sleep(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
-}

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kproxy/kproxy/pkg/netnstest"
+	"github.com/kproxy/kproxy/test/cluster"
 )
 
 // KproxyOptions say how to run kproxy.
@@ -219,20 +220,7 @@ func (k *Kproxy) SyncState(ctx context.Context) (syncState, error) {
 func (k *Kproxy) Usage() (Usage, error) { return readUsage(k.PID()) }
 
 // LogTail is the end of kproxy's log, for errors.
-func (k *Kproxy) LogTail(lines int) string { return tailFile(k.opts.Log, lines) }
-
-// tailFile returns up to n last lines of a file.
-func tailFile(path string, n int) string {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return ""
-	}
-	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
-}
+func (k *Kproxy) LogTail(lines int) string { return cluster.TailFile(k.opts.Log, lines) }
 
 // firstLines returns up to n first non-empty lines of s, joined by " | ".
 func firstLines(s string, n int) string {

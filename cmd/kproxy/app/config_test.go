@@ -240,37 +240,9 @@ logging:
 			// Only iptables mode reads iptables.localhostNodePorts.
 		},
 		{
-			name: "every supported field",
-			file: everything,
-			want: func(o *Options) {
-				o.Kubeconfig = "/etc/kproxy/kubeconfig"
-				o.HostnameOverride = "node-a"
-				o.BindAddress = "10.0.0.5"
-				o.ClusterCIDR = "10.244.0.0/16,fd00:10:244::/56"
-				o.HealthzBindAddress = "127.0.0.1:20256"
-				o.MetricsBindAddress = "0.0.0.0:20249"
-				o.ConfigSyncPeriod = 5 * time.Minute
-				o.NodePortAddresses = []string{"10.0.0.0/8", "fd00::/64", "primary"}
-				o.MasqueradeAll = true
-				o.MasqueradeBit = 12
-				o.SyncPeriod = time.Minute
-				o.MinSyncPeriod = 2 * time.Second
-				o.IPVSScheduler = "wrr"
-				o.IPVSStrictARP = true
-				o.IPVSTCPTimeout = 900 * time.Second
-				o.IPVSTCPFinTimeout = 120 * time.Second
-				o.IPVSUDPTimeout = 5 * time.Minute
-				o.IPVSExcludeCIDRs = []string{"10.8.0.0/16", "fd08::/64"}
-				o.IPVSSyncPeriod = 20 * time.Second
-				o.IPVSMinSyncPeriod = 500 * time.Millisecond
-				o.Conntrack.MaxPerCore = 65536
-				o.Conntrack.Min = 262144
-				o.Conntrack.TCPEstablishedTimeout = 2 * time.Hour
-				o.Conntrack.TCPCloseWaitTimeout = 30 * time.Minute
-				o.Conntrack.TCPBeLiberal = true
-				o.Conntrack.UDPTimeout = 30 * time.Second
-				o.Conntrack.UDPStreamTimeout = 300 * time.Second
-			},
+			name:      "every supported field",
+			file:      everything,
+			want:      everythingOptions,
 			wantFlags: map[string]string{"v": "4", "vmodule": "proxier*=6"},
 		},
 		{
@@ -306,33 +278,8 @@ logging:
 			file: everything,
 			args: []string{"--hostname-override=node-b"},
 			want: func(o *Options) {
-				o.Kubeconfig = "/etc/kproxy/kubeconfig"
+				everythingOptions(o)
 				o.HostnameOverride = "node-b"
-				o.BindAddress = "10.0.0.5"
-				o.ClusterCIDR = "10.244.0.0/16,fd00:10:244::/56"
-				o.HealthzBindAddress = "127.0.0.1:20256"
-				o.MetricsBindAddress = "0.0.0.0:20249"
-				o.ConfigSyncPeriod = 5 * time.Minute
-				o.NodePortAddresses = []string{"10.0.0.0/8", "fd00::/64", "primary"}
-				o.MasqueradeAll = true
-				o.MasqueradeBit = 12
-				o.SyncPeriod = time.Minute
-				o.MinSyncPeriod = 2 * time.Second
-				o.IPVSScheduler = "wrr"
-				o.IPVSStrictARP = true
-				o.IPVSTCPTimeout = 900 * time.Second
-				o.IPVSTCPFinTimeout = 120 * time.Second
-				o.IPVSUDPTimeout = 5 * time.Minute
-				o.IPVSExcludeCIDRs = []string{"10.8.0.0/16", "fd08::/64"}
-				o.IPVSSyncPeriod = 20 * time.Second
-				o.IPVSMinSyncPeriod = 500 * time.Millisecond
-				o.Conntrack.MaxPerCore = 65536
-				o.Conntrack.Min = 262144
-				o.Conntrack.TCPEstablishedTimeout = 2 * time.Hour
-				o.Conntrack.TCPCloseWaitTimeout = 30 * time.Minute
-				o.Conntrack.TCPBeLiberal = true
-				o.Conntrack.UDPTimeout = 30 * time.Second
-				o.Conntrack.UDPStreamTimeout = 300 * time.Second
 			},
 			wantFlags: map[string]string{"v": "4", "vmodule": "proxier*=6"},
 		},
@@ -750,4 +697,36 @@ func TestMainConfigFile(t *testing.T) {
 			}
 		})
 	}
+}
+
+// everythingOptions are the options set by the configuration file
+// "everything" of TestApplyProxyConfig.
+func everythingOptions(o *Options) {
+	o.Kubeconfig = "/etc/kproxy/kubeconfig"
+	o.HostnameOverride = "node-a"
+	o.BindAddress = "10.0.0.5"
+	o.ClusterCIDR = "10.244.0.0/16,fd00:10:244::/56"
+	o.HealthzBindAddress = "127.0.0.1:20256"
+	o.MetricsBindAddress = "0.0.0.0:20249"
+	o.ConfigSyncPeriod = 5 * time.Minute
+	o.NodePortAddresses = []string{"10.0.0.0/8", "fd00::/64", "primary"}
+	o.MasqueradeAll = true
+	o.MasqueradeBit = 12
+	o.SyncPeriod = time.Minute
+	o.MinSyncPeriod = 2 * time.Second
+	o.IPVSScheduler = "wrr"
+	o.IPVSStrictARP = true
+	o.IPVSTCPTimeout = 900 * time.Second
+	o.IPVSTCPFinTimeout = 120 * time.Second
+	o.IPVSUDPTimeout = 5 * time.Minute
+	o.IPVSExcludeCIDRs = []string{"10.8.0.0/16", "fd08::/64"}
+	o.IPVSSyncPeriod = 20 * time.Second
+	o.IPVSMinSyncPeriod = 500 * time.Millisecond
+	o.Conntrack.MaxPerCore = 65536
+	o.Conntrack.Min = 262144
+	o.Conntrack.TCPEstablishedTimeout = 2 * time.Hour
+	o.Conntrack.TCPCloseWaitTimeout = 30 * time.Minute
+	o.Conntrack.TCPBeLiberal = true
+	o.Conntrack.UDPTimeout = 30 * time.Second
+	o.Conntrack.UDPStreamTimeout = 300 * time.Second
 }

@@ -7,7 +7,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2/ktesting"
@@ -101,20 +100,6 @@ func (l *leftovers) use(deps *runDeps, families ...v1.IPFamily) {
 	deps.cleanupKernel = &kernelCleanup{ipvs: l.ipvs, ipset: l.sets, nl: l.nl, nft: l.nft}
 }
 
-// stopRun cancels kproxy and waits for run to return.
-func stopRun(t *testing.T, h *runHarness) {
-	t.Helper()
-	h.cancel()
-	select {
-	case err := <-h.done:
-		if err != nil {
-			t.Errorf("run returned %v", err)
-		}
-	case <-time.After(30 * time.Second):
-		t.Error("run did not return after the context was cancelled")
-	}
-}
-
 func (l *leftovers) nftTables() []string {
 	l.nft.RLock()
 	defer l.nft.RUnlock()
@@ -129,29 +114,8 @@ func (l *leftovers) nftTables() []string {
 }
 
 func (l *leftovers) kproxyChains(family v1.IPFamily) []string {
-	var out []string
-	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
-		for _, c := range l.ipt[family].Chains(table) {
-			if cleanup.IsChain(c) {
-				out = append(out, string(table)+"/"+c)
-			}
-		}
-	}
-	return out
-}
-
-func (l *leftovers) services(t *testing.T) []string {
-	t.Helper()
-	svcs, err := l.ipvs.Services(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []string
-	for _, s := range svcs {
-		out = append(out, s.String())
-	}
-	slices.Sort(out)
-	return out
+	chains, _ := iptablestest.Leftovers(l.ipt[family], cleanup.ChainPrefix)
+	return chains
 }
 
 // TestRunNFTablesModeRemovesOtherModesState starts nftables mode over
@@ -197,7 +161,7 @@ func TestRunNFTablesModeRemovesOtherModesState(t *testing.T) {
 					t.Errorf("%s: a foreign chain went: nat %v", fam, got)
 				}
 			}
-			if got := l.services(t); !slices.Equal(got, slices.Sorted(slices.Values(tc.wantServices))) {
+			if got := l.ipvs.ServiceStrings(); !slices.Equal(got, slices.Sorted(slices.Values(tc.wantServices))) {
 				t.Errorf("virtual servers %v, want %v", got, tc.wantServices)
 			}
 			if len(tc.families) > 0 {

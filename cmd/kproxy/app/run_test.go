@@ -61,6 +61,20 @@ type runHarness struct {
 
 const runNode = "node-a"
 
+// stopRun cancels kproxy and waits for Run to return nil.
+func stopRun(t *testing.T, h *runHarness) {
+	t.Helper()
+	h.cancel()
+	select {
+	case err := <-h.done:
+		if err != nil {
+			t.Fatalf("Run returned %v after the context was cancelled, want nil", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Run did not return after the context was cancelled")
+	}
+}
+
 func startRun(t *testing.T, ct *conntrack.Fake, objects ...runtime.Object) *runHarness {
 	t.Helper()
 	return startRunWith(t, ct, nil, objects...)
@@ -169,15 +183,7 @@ func TestRunStopsOnContextCancel(t *testing.T) {
 	chainsBefore := h.ipt.Chains(ipt.TableNAT)
 	rulesBefore := h.serviceRules("10.96.0.10")
 
-	h.cancel()
-	select {
-	case err := <-h.done:
-		if err != nil {
-			t.Fatalf("Run returned %v after the context was cancelled, want nil", err)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("Run did not return after the context was cancelled")
-	}
+	stopRun(t, h)
 
 	if got := h.ipt.Chains(ipt.TableNAT); !slices.Equal(got, chainsBefore) {
 		t.Errorf("nat chains after shutdown %v, want them left in place: %v", got, chainsBefore)

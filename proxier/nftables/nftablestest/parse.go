@@ -67,6 +67,53 @@ func (e expr) values(w world) (keys [][]string, ok bool) {
 	return keys, true
 }
 
+// eachKey evaluates e for w and joins the branches f gives for each key;
+// when e does not apply, the rule ends (one branch that does not continue).
+func eachKey(e expr, w world, f func(k []string) ([]branch, error)) ([]branch, error) {
+	keys, ok := e.values(w)
+	if !ok {
+		return []branch{{w: w}}, nil
+	}
+	return joinBranches(keys, f)
+}
+
+// eachMapValue is eachKey over the values the keys find in the map set
+// (stmt names the statement in the error when set is not a map); a key the
+// map lacks ends the rule (the next one is tried).
+func (t *tracer) eachMapValue(e expr, w world, set, stmt string, f func(val []string) ([]branch, error)) ([]branch, error) {
+	keys, ok := e.values(w)
+	if !ok {
+		return []branch{{w: w}}, nil
+	}
+	s, err := t.set(set)
+	if err != nil {
+		return nil, err
+	}
+	if !s.isMap {
+		return nil, fmt.Errorf("%s set %s", stmt, set)
+	}
+	return joinBranches(keys, func(k []string) ([]branch, error) {
+		val, hit := s.lookup(k)
+		if !hit {
+			return []branch{{w: w}}, nil
+		}
+		return f(val)
+	})
+}
+
+// joinBranches joins the branches f gives for each key.
+func joinBranches(keys [][]string, f func(k []string) ([]branch, error)) ([]branch, error) {
+	var out []branch
+	for _, k := range keys {
+		bs, err := f(k)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, bs...)
+	}
+	return out, nil
+}
+
 // match compares an expression with a set or a literal.
 type match struct {
 	e       expr
@@ -76,12 +123,7 @@ type match struct {
 }
 
 func (m *match) eval(t *tracer, w world, _ int) ([]branch, error) {
-	keys, ok := m.e.values(w)
-	if !ok {
-		return []branch{{w: w}}, nil
-	}
-	var out []branch
-	for _, k := range keys {
+	return eachKey(m.e, w, func(k []string) ([]branch, error) {
 		var hit bool
 		if m.set != "" {
 			s, err := t.set(m.set)
@@ -95,9 +137,8 @@ func (m *match) eval(t *tracer, w world, _ int) ([]branch, error) {
 			}
 			hit = componentMatches(m.literal, k[0])
 		}
-		out = append(out, branch{w: w, cont: hit != m.negate})
-	}
-	return out, nil
+		return []branch{{w: w, cont: hit != m.negate}}, nil
+	})
 }
 
 // vmap looks an expression up in a verdict map.
@@ -107,34 +148,12 @@ type vmap struct {
 }
 
 func (v *vmap) eval(t *tracer, w world, depth int) ([]branch, error) {
-	keys, ok := v.e.values(w)
-	if !ok {
-		return []branch{{w: w}}, nil
-	}
-	s, err := t.set(v.set)
-	if err != nil {
-		return nil, err
-	}
-	if !s.isMap {
-		return nil, fmt.Errorf("vmap on set %s", v.set)
-	}
-	var out []branch
-	for _, k := range keys {
-		val, hit := s.lookup(k)
-		if !hit {
-			out = append(out, branch{w: w})
-			continue
-		}
+	return t.eachMapValue(v.e, w, v.set, "vmap on", func(val []string) ([]branch, error) {
 		if len(val) != 1 {
 			return nil, fmt.Errorf("verdict map %s has value %q", v.set, val)
 		}
-		bs, err := t.verdict(w, val[0], depth)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, bs...)
-	}
-	return out, nil
+		return t.verdict(w, val[0], depth)
+	})
 }
 
 // verdictStmt ends the rule: accept, drop, reject, return, jump, goto.
@@ -151,25 +170,7 @@ type dnat struct {
 }
 
 func (d *dnat) eval(t *tracer, w world, _ int) ([]branch, error) {
-	keys, ok := d.e.values(w)
-	if !ok {
-		return []branch{{w: w}}, nil
-	}
-	s, err := t.set(d.set)
-	if err != nil {
-		return nil, err
-	}
-	if !s.isMap {
-		return nil, fmt.Errorf("dnat through set %s", d.set)
-	}
-	var out []branch
-	for _, k := range keys {
-		val, hit := s.lookup(k)
-		if !hit {
-			// A failed lookup ends the rule (the next one is tried).
-			out = append(out, branch{w: w})
-			continue
-		}
+	return t.eachMapValue(d.e, w, d.set, "dnat through", func(val []string) ([]branch, error) {
 		if len(val) != 2 {
 			return nil, fmt.Errorf("dnat map %s has value %q", d.set, val)
 		}
@@ -183,9 +184,8 @@ func (d *dnat) eval(t *tracer, w world, _ int) ([]branch, error) {
 		}
 		nw := w
 		nw.dst, nw.dport, nw.dnatted = a, port, true
-		out = append(out, branch{w: nw, verdict: "accept"})
-	}
-	return out, nil
+		return []branch{{w: nw, verdict: "accept"}}, nil
+	})
 }
 
 type masquerade struct{}
@@ -246,12 +246,7 @@ func (u *update) eval(t *tracer, w world, _ int) ([]branch, error) {
 	if !ok || !slices.Contains(s.Flags, knftables.DynamicFlag) {
 		return nil, fmt.Errorf("update of %s, not a dynamic set", u.set)
 	}
-	keys, ok := u.e.values(w)
-	if !ok {
-		return []branch{{w: w}}, nil
-	}
-	var out []branch
-	for _, k := range keys {
+	return eachKey(u.e, w, func(k []string) ([]branch, error) {
 		nw := w
 		entries := []string{}
 		if nw.updates != "" {
@@ -260,9 +255,8 @@ func (u *update) eval(t *tracer, w world, _ int) ([]branch, error) {
 		entries = append(entries, u.set+" { "+strings.Join(k, " . ")+" }")
 		slices.Sort(entries)
 		nw.updates = strings.Join(slices.Compact(entries), "\n")
-		out = append(out, branch{w: nw, cont: true})
-	}
-	return out, nil
+		return []branch{{w: nw, cont: true}}, nil
+	})
 }
 
 type noop struct{}
