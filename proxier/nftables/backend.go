@@ -47,8 +47,10 @@
 // protocol's timed "affinity-tcp" set, refreshing it, and otherwise picks
 // a slot with one rule per slot (1/n, 1/(n-1), ...) that records it.
 // Entries name slots, not endpoints: an endpoint that leaves the list
-// leaves nobody pinned to it (its slot goes to another endpoint or away),
-// at the price of moving the clients of slots that shift.
+// leaves nobody pinned to it (its slot goes to another endpoint or away).
+// Slots are stable (slots.go): an endpoint keeps its slot while it stays,
+// so only the clients of an endpoint moved from the last slot into a
+// removed one's are picked again.
 //
 // Masquerade: a chosen class sets the masquerade bit; nat-postrouting's
 // "masquerading" chain clears it and masquerades (fully-random), and
@@ -82,9 +84,10 @@
 // name (listed over netlink) hold what their names say. Same digest too:
 // nothing to write. Otherwise the sync lists every map and set except the
 // endpoints maps, which are large: each dispatch element's comment carries
-// a hash of its destination's endpoint slots and their counts, so the slots
-// of a destination whose hash is unchanged are kept and those of one whose
-// hash changed are rewritten (their old keys follow from the counts).
+// a hash of its destination's endpoint slots, their counts and their
+// assignment (permToken), so the slots of a destination whose endpoints
+// are unchanged are kept, in the order the table has, and those of one
+// whose hash changed are rewritten (their old keys follow from the counts).
 //
 // Every map and set has a canary element. A partial sync checks, at most
 // once per CanaryInterval, with one "nft --check" transaction, that every

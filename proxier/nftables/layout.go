@@ -488,7 +488,8 @@ func (l *layout) action(s shapeKey, a classAction) string {
 // then one rule per slot picks at random (1/n, 1/(n-1), ... as iptables'
 // statistic rules do) and records the choice. Entries hold slots, not
 // endpoints, so an endpoint that leaves the list leaves no client pinned
-// to it (its slot goes to another endpoint or away).
+// to it (its slot goes to another endpoint or away); slots are stable
+// (slots.go), so the other clients keep their endpoint.
 func (l *layout) pickChain(p pickKey) *chainDef {
 	ip := l.fam.ip
 	epMap, epKey := endpointsMap(p.proto), ip+" daddr . "+p.proto+" dport"

@@ -642,9 +642,7 @@ func elemOps(tx string) []string {
 	return out
 }
 
-// slotService is a NodePort service with ten endpoints on another node
-// (10.244.3.1-10) and a Local one whose three local endpoints are
-// 10.244.1.1-3 (and three more on node-b, 10.244.3.21-23).
+// slotService gives the service "big" the endpoints eps (on node-b).
 func slotService(h *harness, eps []string) {
 	h.t.Helper()
 	var list []pt.EP
@@ -665,7 +663,9 @@ func bigEndpoints(drop ...int) []string {
 }
 
 // replaceOps are the operations that replace one element.
-func replaceOps(m, key string) []string { return []string{"add " + m + " " + key, "delete " + m + " " + key} }
+func replaceOps(m, key string) []string {
+	return []string{"add " + m + " " + key, "delete " + m + " " + key}
+}
 
 // bigDispatch are the replaced dispatch elements of "big" (ClusterIP
 // 10.96.9.1:80, node port 31000).
@@ -785,7 +785,7 @@ func TestStableSlots(t *testing.T) {
 			// The ClusterIP has the cluster list; the node port the
 			// cluster list (for pods and the node) and the local one.
 			// Local endpoints are hairpin endpoints.
-			wantElems: cat([]string{"add hairpin-endpoints 10.244.1.9 . 10.244.1.9", "delete hairpin-endpoints 10.244.1.2 . 10.244.1.2"},replaceOps(endpointsMap("tcp"), "10.96.9.2 . 80 . 1"),
+			wantElems: cat([]string{"add hairpin-endpoints 10.244.1.9 . 10.244.1.9", "delete hairpin-endpoints 10.244.1.2 . 10.244.1.2"}, replaceOps(endpointsMap("tcp"), "10.96.9.2 . 80 . 1"),
 				replaceOps(nodePortEndpointsMap("tcp"), "31001 . 1"),
 				replaceOps(nodePortEndpointsMap("tcp"), fmt.Sprintf("31001 . %d", localSlotBase+1)),
 				replaceOps(mapServiceIPs, "10.96.9.2 . tcp . 80"), replaceOps(mapServiceNodePorts, "tcp . 31001")),
@@ -922,7 +922,7 @@ func TestSlotsSurviveFullSyncs(t *testing.T) {
 				finalEps := append(bigEndpoints(3, 5, 6), "10.244.3.99")
 				slotService(h, finalEps)
 			},
-			wantMode: modeReconcile,
+			wantMode:  modeReconcile,
 			wantElems: cat(bigSlots("add", 0, 1, 2, 3, 4, 5, 6, 7), bigSlots("delete", 0, 1, 2, 3, 4, 5, 6, 7, 8), bigDispatch),
 		},
 	} {
