@@ -47,8 +47,10 @@
 // protocol's timed "affinity-tcp" set, refreshing it, and otherwise picks
 // a slot with one rule per slot (1/n, 1/(n-1), ...) that records it.
 // Entries name slots, not endpoints: an endpoint that leaves the list
-// leaves nobody pinned to it (its slot goes to another endpoint or away),
-// at the price of moving the clients of slots that shift.
+// leaves nobody pinned to it (its slot goes to another endpoint or away).
+// Slots are stable (slots.go): an endpoint keeps its slot while it stays,
+// so only the clients of an endpoint moved from the last slot into a
+// removed one's are picked again.
 //
 // Masquerade: a chosen class sets the masquerade bit; nat-postrouting's
 // "masquerading" chain clears it and masquerades (fully-random), and
@@ -82,9 +84,10 @@
 // name (listed over netlink) hold what their names say. Same digest too:
 // nothing to write. Otherwise the sync lists every map and set except the
 // endpoints maps, which are large: each dispatch element's comment carries
-// a hash of its destination's endpoint slots and their counts, so the slots
-// of a destination whose hash is unchanged are kept and those of one whose
-// hash changed are rewritten (their old keys follow from the counts).
+// a hash of its destination's endpoint slots, their counts and their
+// assignment (permToken), so the slots of a destination whose endpoints
+// are unchanged are kept, in the order the table has, and those of one
+// whose hash changed are rewritten (their old keys follow from the counts).
 //
 // Every map and set has a canary element. A partial sync checks, at most
 // once per CanaryInterval, with one "nft --check" transaction, that every
@@ -493,9 +496,11 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 	} else {
 		// A full sync renders everything again: the old state goes
 		// first, so that the two are never held together (a failed
-		// sync drops it anyway).
+		// sync drops it anyway), but for its endpoint slots, which the
+		// new renders keep.
+		prev := b.state.slotsOnly()
 		b.state = nil
-		next, p, err = b.planFull(ctx, l, state, npIPs, mode, st)
+		next, p, err = b.planFull(ctx, l, state, npIPs, mode, st, prev)
 	}
 	if err != nil {
 		return err
@@ -552,14 +557,8 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 		}
 	}
 	b.state, b.layout = next, l
-	st.NATRules, st.FilterRules = 0, 0
-	for _, c := range append(l.staticChains(), next.sortedChains()...) {
-		if c.table == "nat" {
-			st.NATRules += len(c.rules)
-		} else {
-			st.FilterRules += len(c.rules)
-		}
-	}
+	nat, filter := l.staticRules()
+	st.NATRules, st.FilterRules = nat+next.rules["nat"], filter+next.rules["filter"]
 	return nil
 }
 
@@ -567,39 +566,51 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 // plans the difference.
 func (b *Backend) planPartial(l *layout, state *proxy.NodeState, npIPs map[netip.Addr]bool) (*plan, error) {
 	s := b.state
+	// The work is proportional to the changed services: their known ports
+	// are looked up by name; the state is scanned for ports never seen
+	// only when it has more than the known ones that stay.
 	next := map[proxy.ServicePortName]*renderedService{}
-	for nn := range state.Changed {
-		for _, name := range s.byName[nn] {
-			if _, ok := state.Services[name]; !ok {
-				next[name] = nil
-			}
-		}
-	}
-	for name, svc := range state.Services {
-		if !state.Changed.Has(name.NamespacedName) {
-			continue
-		}
-		rs, err := l.render(svc)
+	render := func(name proxy.ServicePortName, svc *proxy.ServiceState) error {
+		rs, err := l.render(svc, s.slots)
 		if err != nil {
 			// The state is untouched: the next sync (full, after the
 			// error) renders everything again.
-			return nil, err
+			return err
 		}
 		next[name] = rs
+		return nil
 	}
-	// Every service port the state has must be known after the update:
-	// one that is neither known nor changed means that the state's
-	// Changed missed it.
 	after := len(s.services)
-	for name, rs := range next {
-		_, known := s.services[name]
-		switch {
-		case rs == nil && known:
-			after--
-		case rs != nil && !known:
+	for nn := range state.Changed {
+		for _, name := range s.byName[nn] {
+			svc, ok := state.Services[name]
+			if !ok {
+				next[name] = nil
+				after--
+				continue
+			}
+			if err := render(name, svc); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if after < len(state.Services) {
+		// New service ports, of changed services (one that is neither
+		// known nor changed means that the state's Changed missed it).
+		for name, svc := range state.Services {
+			if _, known := s.services[name]; known {
+				continue
+			}
+			if !state.Changed.Has(name.NamespacedName) {
+				return nil, errUnknownServices
+			}
+			if err := render(name, svc); err != nil {
+				return nil, err
+			}
 			after++
 		}
 	}
+	// Every service port the state has must be known after the update.
 	if after != len(state.Services) {
 		return nil, errUnknownServices
 	}
@@ -690,6 +701,8 @@ type kernelState struct {
 type destInfo struct {
 	hash   string
 	counts [2]int
+	// perm is the slot assignment (permToken; "": address order).
+	perm string
 }
 
 func newKernelState() *kernelState {
@@ -759,11 +772,11 @@ func (b *Backend) readKernel(ctx context.Context, l *layout, chains []*chainDef,
 				return nil
 			}
 			dk, ok := parseDispatchKey(sd.name == mapServiceNodePorts, e.key)
-			hash, counts, ok2 := parseDispatchComment(e.comment)
+			hash, counts, perm, ok2 := parseDispatchComment(e.comment)
 			if !ok || !ok2 {
 				return fmt.Errorf("unexpected element %s (comment %q)", e.id(), e.comment)
 			}
-			k.dests[dk] = destInfo{hash: hash, counts: counts}
+			k.dests[dk] = destInfo{hash: hash, counts: counts, perm: perm}
 			return nil
 		})
 		if err != nil {
@@ -852,12 +865,12 @@ func parseDispatchKey(nodePort bool, key []string) (destKey, bool) {
 
 // planFull renders every service port and plans the transaction that makes
 // the table match: a reconcile against what readKernel finds, or a rebuild.
-func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeState, npIPs map[netip.Addr]bool, mode string, st *SyncStats) (*tableState, *plan, error) {
+func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeState, npIPs map[netip.Addr]bool, mode string, st *SyncStats, prev slotsOf) (*tableState, *plan, error) {
 	logger := klog.FromContext(ctx)
 	next := newTableState()
 	all := make(map[proxy.ServicePortName]*renderedService, len(state.Services))
 	for name, svc := range state.Services {
-		rs, err := l.render(svc)
+		rs, err := l.render(svc, prev)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -928,6 +941,9 @@ func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeStat
 	if k.trusted {
 		// Same layout, same digest: the elements are those wanted.
 		return next, p, nil
+	}
+	if !rebuild {
+		next.adoptSlots(k.dests)
 	}
 	// Small maps and sets: against what was listed (nothing on a rebuild,
 	// whose flushes empty them).

@@ -47,9 +47,10 @@ func toResult(outs []nftablestest.Outcome) (pt.Result, error) {
 }
 
 // DumpState is the fake's table with element lines sorted (their order
-// carries no meaning; the order of rules does).
+// carries no meaning; the order of rules does) and slot assignments left
+// out (canonicalDump).
 func (f *fakeTracer) DumpState() (pt.StateDump, error) {
-	return pt.StateDump{State: sortedDump(f.fake)}, nil
+	return pt.StateDump{State: canonicalDump(f.fake)}, nil
 }
 
 func sortedDump(fake *knftables.Fake) string {

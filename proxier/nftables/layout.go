@@ -107,6 +107,10 @@ type layout struct {
 	// rather than on every local address.
 	nodePortIPs bool
 	hashCache   string
+	// staticNAT and staticFilter count the rules of the static chains
+	// (staticRules), once staticCounted.
+	staticNAT, staticFilter int
+	staticCounted           bool
 	// chains are the shape and pick chains rendered so far.
 	chains map[string]*chainDef
 }
@@ -176,6 +180,21 @@ func (c *chainDef) chain() *knftables.Chain {
 func baseChain(name string, t knftables.BaseChainType, hook knftables.BaseChainHook, prio int, table string, rules ...string) *chainDef {
 	p := knftables.BaseChainPriority(strconv.Itoa(prio))
 	return &chainDef{name: name, chainType: &t, hook: &hook, priority: &p, table: table, rules: rules}
+}
+
+// staticRules counts the rules of the static chains by table.
+func (l *layout) staticRules() (nat, filter int) {
+	if !l.staticCounted {
+		for _, c := range l.staticChains() {
+			if c.table == "nat" {
+				l.staticNAT += len(c.rules)
+			} else {
+				l.staticFilter += len(c.rules)
+			}
+		}
+		l.staticCounted = true
+	}
+	return l.staticNAT, l.staticFilter
 }
 
 // staticChains are the chains every sync has, in the order they are
@@ -469,7 +488,8 @@ func (l *layout) action(s shapeKey, a classAction) string {
 // then one rule per slot picks at random (1/n, 1/(n-1), ... as iptables'
 // statistic rules do) and records the choice. Entries hold slots, not
 // endpoints, so an endpoint that leaves the list leaves no client pinned
-// to it (its slot goes to another endpoint or away).
+// to it (its slot goes to another endpoint or away); slots are stable
+// (slots.go), so the other clients keep their endpoint.
 func (l *layout) pickChain(p pickKey) *chainDef {
 	ip := l.fam.ip
 	epMap, epKey := endpointsMap(p.proto), ip+" daddr . "+p.proto+" dport"

@@ -393,3 +393,53 @@ func TestRealKernelCleanupKeepsForeignTables(t *testing.T) {
 	}
 	rt.rc.CheckKernelFlows(t, unhandled(rt.c.Flows, nil))
 }
+
+// TestRealKernelRestartKeepsSlots: a new process over a table whose slots
+// partial syncs assigned out of address order recovers them from the
+// dispatch comments as the kernel lists them: its first sync writes nothing
+// and its next change writes one slot per destination.
+func TestRealKernelRestartKeepsSlots(t *testing.T) {
+	rt := newRealTable(t)
+	ep := func(ip, node string) pt.EP { return pt.EP{IP: ip, Node: node} }
+	old := rt.c.Slices[0]
+	// Slots [1.5, 2.5] -> [1.5, 2.5, 3.5] -> [3.5, 2.5].
+	for _, eps := range [][]pt.EP{
+		{ep("10.244.1.5", "node-a"), ep("10.244.2.5", "node-b"), ep("10.244.3.5", "node-b")},
+		{ep("10.244.2.5", "node-b"), ep("10.244.3.5", "node-b")},
+	} {
+		sl := pt.Slice("web", 8080, eps...)
+		rt.engine.OnEndpointSliceUpdate(old, sl)
+		old = sl
+		rt.clk.Step(time.Second)
+		rt.sync(t, rt.engine)
+		if st := rt.backend.LastSync(); st.Mode != modePartial {
+			t.Fatalf("churn sync was %s", st.Mode)
+		}
+	}
+	if out := rt.nft(t, "list", "map", "ip", TableName, endpointsMap("tcp")); !strings.Contains(out, ". 0 : 10.244.3.5 . 8080") {
+		t.Fatalf("slot 0 is not 10.244.3.5:\n%s", out)
+	}
+	rt.c.Slices = []*discovery.EndpointSlice{old}
+	b2, _ := newRealNFTBackend(t, rt.rc.Node(), rt.clk, rt.tee)
+	e2 := rt.start(t, b2)
+	rt.sync(t, e2)
+	if st := b2.LastSync(); st.Mode != modeReconcile || st.Operations != 0 {
+		t.Errorf("first sync after the restart: mode %s with %d operations, want %s with none", st.Mode, st.Operations, modeReconcile)
+	}
+	// 10.244.2.5 (slot 1) replaced: per destination (ClusterIP, node
+	// port) one slot and the dispatch element, and the sync-state canary.
+	sl := pt.Slice("web", 8080, ep("10.244.2.6", "node-b"), ep("10.244.3.5", "node-b"))
+	e2.OnEndpointSliceUpdate(old, sl)
+	rt.clk.Step(time.Second)
+	rt.sync(t, e2)
+	if st := b2.LastSync(); st.Mode != modePartial || st.ElementsAdded != 5 || st.ElementsDeleted != 5 {
+		t.Errorf("replacing an endpoint after the restart: %+v, want a partial sync replacing 5 elements", st)
+	}
+	// (Those endpoints have no namespace: the table is read, not traced.)
+	out := rt.nft(t, "list", "map", "ip", TableName, endpointsMap("tcp"))
+	for _, want := range []string{". 0 : 10.244.3.5 . 8080", ". 1 : 10.244.2.6 . 8080"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("endpoints map lacks %q:\n%s", want, out)
+		}
+	}
+}

@@ -264,29 +264,38 @@ type renderedService struct {
 }
 
 // dispatchComment is the comment of a destination's dispatch element: the
-// hash of its endpoint slots, the cluster and local slot counts, the
+// hash of its endpoint slots, the cluster and local slot counts, the slot
+// assignment (permToken, when not in address order and short enough), the
 // service port.
-func dispatchComment(hash string, counts [2]int, name proxy.ServicePortName) string {
-	c := fmt.Sprintf("%s %d %d %s", hash, counts[0], counts[1], name)
+func dispatchComment(hash string, counts [2]int, perm string, name proxy.ServicePortName) string {
+	c := fmt.Sprintf("%s %d %d", hash, counts[0], counts[1])
+	if perm != "" && len(c)+1+len(perm) <= 128 {
+		c += " " + perm
+	}
+	c += " " + name.String()
 	if len(c) > 128 {
 		c = c[:128]
 	}
 	return c
 }
 
-// parseDispatchComment reads dispatchComment's hash and counts.
-func parseDispatchComment(c string) (hash string, counts [2]int, ok bool) {
+// parseDispatchComment reads dispatchComment's hash, counts and slot
+// assignment ("" for address order).
+func parseDispatchComment(c string) (hash string, counts [2]int, perm string, ok bool) {
 	f := strings.Fields(c)
 	if len(f) < 3 || len(f[0]) != 16 {
-		return "", counts, false
+		return "", counts, "", false
 	}
 	var err1, err2 error
 	counts[0], err1 = strconv.Atoi(f[1])
 	counts[1], err2 = strconv.Atoi(f[2])
 	if err1 != nil || err2 != nil || counts[0] < 0 || counts[1] < 0 || counts[0] > localSlotBase || counts[1] > localSlotBase {
-		return "", counts, false
+		return "", counts, "", false
 	}
-	return f[0], counts, true
+	if len(f) > 3 && strings.HasPrefix(f[3], "p=") {
+		perm = f[3]
+	}
+	return f[0], counts, perm, true
 }
 
 func shortComment(name proxy.ServicePortName) string {
@@ -312,10 +321,15 @@ func filterVerdict(d *proxy.ServiceDecisions, kind proxy.DestinationKind) string
 	return ""
 }
 
+// slotsOf returns the endpoint slots a destination has in the table (nil
+// when unknown): render keeps them for the endpoints that stay.
+type slotsOf func(destKey) *[2][]netip.AddrPort
+
 // render draws one service port's decisions: every destination's shape and
 // elements. It holds no Service semantics: which list, masquerade or
-// verdict each class gets comes from the decision table.
-func (l *layout) render(st *proxy.ServiceState) (*renderedService, error) {
+// verdict each class gets comes from the decision table. prev (may be nil)
+// gives the destinations' current slots.
+func (l *layout) render(st *proxy.ServiceState, prev slotsOf) (*renderedService, error) {
 	d := &st.Decisions
 	proto := strings.ToLower(string(st.Protocol))
 	rs := &renderedService{name: st.Name, healthCheck: st.HealthCheckNodePort}
@@ -327,7 +341,11 @@ func (l *layout) render(st *proxy.ServiceState) (*renderedService, error) {
 			return nil, nil
 		}
 		seen[key] = true
-		dr, err := l.renderDest(st, kind, key)
+		var was *[2][]netip.AddrPort
+		if prev != nil {
+			was = prev(key)
+		}
+		dr, err := l.renderDest(st, kind, key, was)
 		if err != nil {
 			return nil, fmt.Errorf("service port %s, %s: %w", st.Name, key, err)
 		}
@@ -380,8 +398,9 @@ func (l *layout) render(st *proxy.ServiceState) (*renderedService, error) {
 	return rs, nil
 }
 
-// renderDest renders one destination of kind.
-func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, key destKey) (*destRender, error) {
+// renderDest renders one destination of kind; prev (may be nil) are its
+// slots in the table.
+func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, key destKey, prev *[2][]netip.AddrPort) (*destRender, error) {
 	d := &st.Decisions
 	dr := &destRender{key: key, owner: st.Name}
 	shape := shapeKey{nodePort: key.nodePort, proto: key.proto, affinity: d.AffinitySeconds}
@@ -417,15 +436,15 @@ func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, 
 			if !sels[sel] {
 				continue
 			}
-			eps := st.Endpoints(sel)
-			dr.eps[i] = make([]netip.AddrPort, len(eps))
-			for j, ep := range eps {
-				dr.eps[i][j] = netip.AddrPortFrom(ep.IP, uint16(ep.Port))
+			var was []netip.AddrPort
+			if prev != nil {
+				was = prev[i]
 			}
+			dr.eps[i] = slotOrder(was, st.Endpoints(sel))
 		}
 		dr.hash, dr.bigDigest = dr.hashEndpoints(shape.name())
 		dr.small = append(dr.small, elem{set: key.dispatchMap(), key: key.dispatchKey(),
-			value: []string{"goto " + shape.name()}, comment: dispatchComment(dr.hash, dr.counts(), st.Name)})
+			value: []string{"goto " + shape.name()}, comment: dispatchComment(dr.hash, dr.counts(), permToken(dr.eps), st.Name)})
 	}
 	if v := filterVerdict(d, kind); v != "" {
 		dr.small = append(dr.small, elem{set: key.noEndpointMap(), key: key.dispatchKey(), value: []string{v}, comment: shortComment(st.Name)})
@@ -468,6 +487,20 @@ func fnvAdd[T string | []byte](h uint64, s T) uint64 {
 		h *= fnvPrime
 	}
 	return h
+}
+
+// reorder gives the destination the slots eps (the same endpoints in
+// another order) and returns the change of its digest.
+func (dr *destRender) reorder(eps [2][]netip.AddrPort) uint64 {
+	old := dr.digest
+	d := &dr.small[0] // the dispatch element: eps is not empty
+	_, counts, _, _ := parseDispatchComment(d.comment)
+	shape := strings.TrimPrefix(d.value[0], "goto ")
+	dr.eps = eps
+	dr.hash, dr.bigDigest = dr.hashEndpoints(shape)
+	d.comment = dispatchComment(dr.hash, counts, permToken(eps), dr.owner)
+	dr.computeDigest()
+	return old ^ dr.digest
 }
 
 // computeDigest sets dr.digest from all its elements (called once the

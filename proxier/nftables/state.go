@@ -35,6 +35,8 @@ type tableState struct {
 	chains    map[string]*chainDef
 	// nodePortIPs are the elements of setNodePortIPs.
 	nodePortIPs map[netip.Addr]bool
+	// rules counts the rules of the chains, by table ("nat", "filter").
+	rules map[string]int
 	// digest is the XOR of elemDigest over every element but the
 	// canaries (and the dynamic sets' entries): a restart whose desired
 	// table has the digest the table's sync-state canary records has
@@ -53,6 +55,66 @@ func newTableState() *tableState {
 		chainRefs:   map[string]int{},
 		chains:      map[string]*chainDef{},
 		nodePortIPs: map[netip.Addr]bool{},
+		rules:       map[string]int{},
+	}
+}
+
+// slots returns a destination's endpoint slots in the table (slotsOf).
+func (s *tableState) slots(k destKey) *[2][]netip.AddrPort {
+	if o := s.owners[k]; o != nil {
+		return &o.eps
+	}
+	return nil
+}
+
+// slotsOnly strips the state, which the caller drops, down to the endpoint
+// slots of its destinations, for a full sync's renders to keep: the rest of
+// the renders can go before the new ones are made. Nil for a nil state.
+func (s *tableState) slotsOnly() slotsOf {
+	if s == nil {
+		return nil
+	}
+	owners := s.owners
+	for _, dr := range owners {
+		dr.small, dr.chains, dr.hash = nil, nil, ""
+	}
+	*s = tableState{}
+	return func(k destKey) *[2][]netip.AddrPort {
+		if o := owners[k]; o != nil {
+			return &o.eps
+		}
+		return nil
+	}
+}
+
+// adoptSlots gives the destinations that the table holds with the same
+// endpoints in another order (a table written by another process, whose
+// dispatch comments record the order) that order, so that nothing is
+// rewritten and clients keep their slots.
+func (s *tableState) adoptSlots(kernel map[destKey]destInfo) {
+	for k, ki := range kernel {
+		dr := s.owners[k]
+		if dr == nil || ki.counts != dr.counts() || ki.hash == dr.hash || ki.counts == [2]int{} {
+			continue
+		}
+		var sorted [2][]netip.AddrPort
+		for i, eps := range dr.eps {
+			sorted[i] = slices.Clone(eps)
+			slices.SortFunc(sorted[i], compareAddrPort)
+		}
+		cand := &sorted
+		if ki.perm != "" {
+			if cand = applyPerm(ki.perm, sorted); cand == nil {
+				continue
+			}
+		}
+		old := dr.eps
+		s.digest ^= dr.reorder(*cand)
+		if dr.hash != ki.hash {
+			// Other endpoints: the destination is rewritten, in the
+			// order it had.
+			s.digest ^= dr.reorder(old)
+		}
 	}
 }
 
@@ -203,6 +265,9 @@ func (s *tableState) update(next map[proxy.ServicePortName]*renderedService, l *
 			continue
 		}
 		if s.chainRefs[c] == 0 {
+			if def := s.chains[c]; def != nil {
+				s.rules[def.table] -= len(def.rules)
+			}
 			delete(s.chains, c)
 			gone = append(gone, c)
 		}
@@ -211,6 +276,8 @@ func (s *tableState) update(next map[proxy.ServicePortName]*renderedService, l *
 	cs.chainsAdded = cs.chainsAdded[:0]
 	for c := range added {
 		cs.chainsAdded = append(cs.chainsAdded, c)
+		def := s.chains[c]
+		s.rules[def.table] += len(def.rules)
 	}
 	slices.Sort(cs.chainsAdded)
 	slices.Sort(cs.chainsGone)

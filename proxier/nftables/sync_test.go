@@ -619,3 +619,372 @@ func TestFullSyncTriggers(t *testing.T) {
 		})
 	}
 }
+
+// elemOps are the element operations of a transaction but the sync-state
+// canary's, as "<op> <map> <key>", sorted.
+func elemOps(tx string) []string {
+	var out []string
+	for _, l := range txLines(tx) {
+		f := strings.Fields(l)
+		if len(f) < 6 || f[1] != "element" || f[4] == setSyncState {
+			continue
+		}
+		key := strings.TrimPrefix(l[strings.Index(l, "{")+1:], " ")
+		if i := strings.IndexAny(key, ":}"); i >= 0 {
+			key = key[:i]
+		}
+		if i := strings.Index(key, " comment "); i >= 0 {
+			key = key[:i]
+		}
+		out = append(out, f[0]+" "+f[4]+" "+strings.TrimSpace(key))
+	}
+	slices.Sort(out)
+	return out
+}
+
+// slotService gives the service "big" the endpoints eps (on node-b).
+func slotService(h *harness, eps []string) {
+	h.t.Helper()
+	var list []pt.EP
+	for _, ip := range eps {
+		list = append(list, pt.EP{IP: ip, Node: "node-b"})
+	}
+	h.engine.OnEndpointSliceUpdate(nil, pt.Slice("big", 8080, list...))
+}
+
+func bigEndpoints(drop ...int) []string {
+	var out []string
+	for i := 1; i <= 10; i++ {
+		if !slices.Contains(drop, i) {
+			out = append(out, fmt.Sprintf("10.244.3.%d", i))
+		}
+	}
+	return out
+}
+
+// replaceOps are the operations that replace one element.
+func replaceOps(m, key string) []string {
+	return []string{"add " + m + " " + key, "delete " + m + " " + key}
+}
+
+// bigDispatch are the replaced dispatch elements of "big" (ClusterIP
+// 10.96.9.1:80, node port 31000).
+var bigDispatch = append(replaceOps(mapServiceIPs, "10.96.9.1 . tcp . 80"), replaceOps(mapServiceNodePorts, "tcp . 31000")...)
+
+// bigSlots are element operations on both endpoint slots of "big" of op.
+func bigSlots(op string, slots ...int) []string {
+	var out []string
+	for _, s := range slots {
+		out = append(out, fmt.Sprintf("%s %s 10.96.9.1 . 80 . %d", op, endpointsMap("tcp"), s),
+			fmt.Sprintf("%s %s 31000 . %d", op, nodePortEndpointsMap("tcp"), s))
+	}
+	return out
+}
+
+// slotObjects gives h's engine 20 one-endpoint services, "big" with
+// bigEps and "loc".
+func slotObjects(h *harness, bigEps []string) {
+	addServices(h, 20)
+	h.engine.OnServiceAdd(pt.Service("big", "10.96.9.1", pt.NodePort(31000)))
+	slotService(h, bigEps)
+	h.engine.OnServiceAdd(pt.Service("loc", "10.96.9.2", pt.NodePort(31001), pt.ExternalLocal()))
+	h.engine.OnEndpointSliceAdd(pt.Slice("loc", 8080,
+		pt.EP{IP: "10.244.1.1", Node: "node-a"}, pt.EP{IP: "10.244.1.2", Node: "node-a"}, pt.EP{IP: "10.244.1.3", Node: "node-a"},
+		pt.EP{IP: "10.244.3.21", Node: "node-b"}, pt.EP{IP: "10.244.3.22", Node: "node-b"}, pt.EP{IP: "10.244.3.23", Node: "node-b"}))
+}
+
+func newSlotHarness(t *testing.T) *harness {
+	h := newHarness(t, nil, Options{})
+	slotObjects(h, bigEndpoints())
+	if st := h.sync(); !st.Full {
+		t.Fatalf("first sync was %s", st.Mode)
+	}
+	return h
+}
+
+// freshDump is canonicalDump of the table a fresh process writes for the
+// objects setup gives it.
+func freshDump(t *testing.T, setup func(h *harness)) string {
+	t.Helper()
+	fresh := newHarness(t, nil, Options{})
+	setup(fresh)
+	fresh.sync()
+	return canonicalDump(fresh.fake)
+}
+
+// TestStableSlots: an endpoint keeps its slot while it stays, so a change
+// writes only the slots it touches (docs/design.md, "nftables backend").
+func TestStableSlots(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		change func(h *harness)
+		// wantElems are the element operations (elemOps).
+		wantElems []string
+		// wantChains: whether shape and pick chains change (the count).
+		wantChains bool
+		wantEps    []string // the endpoints of big's ClusterIP after it
+	}{
+		{
+			name:      "endpoint replaced: one slot per destination and the dispatch comments",
+			change:    func(h *harness) { slotService(h, append(bigEndpoints(4), "10.244.3.99")) },
+			wantElems: cat(bigSlots("add", 3), bigSlots("delete", 3), bigDispatch),
+			wantEps:   append(bigEndpoints(4), "10.244.3.99"),
+		},
+		{
+			name:       "endpoint removed: the last slot's endpoint moves into its slot",
+			change:     func(h *harness) { slotService(h, bigEndpoints(4)) },
+			wantElems:  cat(bigSlots("add", 3), bigSlots("delete", 3, 9), bigDispatch),
+			wantChains: true,
+			wantEps:    bigEndpoints(4),
+		},
+		{
+			name:       "last slot's endpoint removed: one slot deleted",
+			change:     func(h *harness) { slotService(h, bigEndpoints(10)) },
+			wantElems:  cat(bigSlots("delete", 9), bigDispatch),
+			wantChains: true,
+			wantEps:    bigEndpoints(10),
+		},
+		{
+			name:       "endpoint added: slot n",
+			change:     func(h *harness) { slotService(h, append(bigEndpoints(), "10.244.3.11")) },
+			wantElems:  cat(bigSlots("add", 10), bigDispatch),
+			wantChains: true,
+			wantEps:    append(bigEndpoints(), "10.244.3.11"),
+		},
+		{
+			name:      "one replaced and one removed: the new one fills the lower slot, the last moves into the other",
+			change:    func(h *harness) { slotService(h, append(bigEndpoints(3, 6), "10.244.3.99")) },
+			wantElems: cat(bigSlots("add", 2, 5), bigSlots("delete", 2, 5, 9), bigDispatch),
+			// 10 -> 9 endpoints.
+			wantChains: true,
+			wantEps:    append(bigEndpoints(3, 6), "10.244.3.99"),
+		},
+		{
+			name:       "ten to three endpoints: two slots refilled from the end, seven deleted",
+			change:     func(h *harness) { slotService(h, bigEndpoints(2, 3, 4, 5, 7, 8, 9)) },
+			wantElems:  cat(bigSlots("add", 1, 2), bigSlots("delete", 1, 2, 3, 4, 5, 6, 7, 8, 9), bigDispatch),
+			wantChains: true,
+			wantEps:    bigEndpoints(2, 3, 4, 5, 7, 8, 9),
+		},
+		{
+			name: "endpoints listed in another order: nothing",
+			change: func(h *harness) {
+				eps := bigEndpoints()
+				slices.Reverse(eps)
+				slotService(h, eps)
+			},
+			wantEps: bigEndpoints(),
+		},
+		{
+			name: "local endpoint replaced: its cluster slot and its local slot",
+			change: func(h *harness) {
+				h.engine.OnEndpointSliceUpdate(nil, pt.Slice("loc", 8080,
+					pt.EP{IP: "10.244.1.1", Node: "node-a"}, pt.EP{IP: "10.244.1.9", Node: "node-a"}, pt.EP{IP: "10.244.1.3", Node: "node-a"},
+					pt.EP{IP: "10.244.3.21", Node: "node-b"}, pt.EP{IP: "10.244.3.22", Node: "node-b"}, pt.EP{IP: "10.244.3.23", Node: "node-b"}))
+			},
+			// The ClusterIP has the cluster list; the node port the
+			// cluster list (for pods and the node) and the local one.
+			// Local endpoints are hairpin endpoints.
+			wantElems: cat([]string{"add hairpin-endpoints 10.244.1.9 . 10.244.1.9", "delete hairpin-endpoints 10.244.1.2 . 10.244.1.2"}, replaceOps(endpointsMap("tcp"), "10.96.9.2 . 80 . 1"),
+				replaceOps(nodePortEndpointsMap("tcp"), "31001 . 1"),
+				replaceOps(nodePortEndpointsMap("tcp"), fmt.Sprintf("31001 . %d", localSlotBase+1)),
+				replaceOps(mapServiceIPs, "10.96.9.2 . tcp . 80"), replaceOps(mapServiceNodePorts, "tcp . 31001")),
+			wantEps: bigEndpoints(),
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newSlotHarness(t)
+			before := h.nft.runs
+			tc.change(h)
+			st := h.sync()
+			if st.Mode != modePartial {
+				t.Fatalf("sync was %s", st.Mode)
+			}
+			got := elemOps(h.lastTx())
+			if len(tc.wantElems) == 0 {
+				if h.nft.runs != before {
+					t.Errorf("ran a transaction:\n%s", h.lastTx())
+				}
+			} else if !slices.Equal(got, tc.wantElems) {
+				t.Errorf("element operations:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(tc.wantElems, "\n"))
+			}
+			if chains := st.ChainsWritten+st.ChainsDeleted > 0; chains != tc.wantChains {
+				t.Errorf("chains written %d, deleted %d; want changes: %v", st.ChainsWritten, st.ChainsDeleted, tc.wantChains)
+			}
+			var wantEps []string
+			for _, ip := range tc.wantEps {
+				wantEps = append(wantEps, ip+":8080")
+			}
+			h.flows(pt.Flow{Name: "big", Source: "10.244.1.9", Dest: "10.96.9.1", Port: 80, Want: pt.Delivered, WantEndpoints: wantEps},
+				pt.Flow{Name: "big node port", Source: "192.0.2.1", Dest: "10.0.0.1", Port: 31000, Want: pt.Delivered, WantEndpoints: wantEps, WantMasquerade: true})
+			want := freshDump(t, func(f *harness) { slotObjects(f, bigEndpoints()); tc.change(f) })
+			if got := canonicalDump(h.fake); got != want {
+				t.Errorf("table differs from a fresh one's (slots aside):\n%s", diff(got, want))
+			}
+		})
+	}
+}
+
+// slotLines are the endpoints maps' elements of the table, sorted.
+func slotLines(fake *knftables.Fake) string {
+	var out []string
+	for _, l := range strings.Split(fake.Dump(), "\n") {
+		if strings.Contains(l, " "+mapEndpointsPrefix) {
+			out = append(out, l)
+		}
+	}
+	slices.Sort(out)
+	return strings.Join(out, "\n")
+}
+
+// churn leaves big's slots out of address order: 10.244.3.3 gone (slot 2
+// takes 10.244.3.10) and 10.244.3.5 replaced by 10.244.3.99 (slot 4).
+func churn(h *harness) {
+	slotService(h, bigEndpoints(3))
+	h.sync()
+	slotService(h, append(bigEndpoints(3, 5), "10.244.3.99"))
+	h.sync()
+}
+
+// TestSlotsSurviveFullSyncs: reconciles, rebuilds and a new process over
+// the table keep the slots that partial syncs assigned.
+func TestSlotsSurviveFullSyncs(t *testing.T) {
+	finalEps := append(bigEndpoints(3, 5), "10.244.3.99")
+	// restart is a new process over h's table, given the objects h has
+	// and those whileDown changes.
+	var whileDown func(h *harness)
+	restart := func(t *testing.T, h *harness) *harness {
+		fake := knftables.NewFake(knftables.IPv4Family, TableName)
+		if err := fake.ParseDump(h.fake.Dump()); err != nil {
+			t.Fatal(err)
+		}
+		second := newHarness(t, fake, Options{})
+		slotObjects(second, finalEps)
+		if whileDown != nil {
+			whileDown(second)
+		}
+		return second
+	}
+	for _, tc := range []struct {
+		name string
+		// full runs the full sync (restart: a new process over the
+		// table); it returns the harness that goes on.
+		full     func(t *testing.T, h *harness) *harness
+		wantMode string
+		// whileDown changes objects before a restart.
+		whileDown func(h *harness)
+		// wantElems are the element operations of the full sync (nil:
+		// none, no transaction).
+		wantElems []string
+		// keepsSlots: big's slots are those partial syncs assigned.
+		keepsSlots bool
+	}{
+		{
+			name: "reconcile",
+			full: func(t *testing.T, h *harness) *harness {
+				h.clock.Step(2 * time.Hour)
+				return h
+			},
+			wantMode: modeReconcile, keepsSlots: true,
+		},
+		{
+			name: "rebuild",
+			full: func(t *testing.T, h *harness) *harness {
+				h.backend.needRebuild = true
+				return h
+			},
+			wantMode: modeRebuild, keepsSlots: true,
+		},
+		{
+			name:     "restart, nothing changed",
+			full:     restart,
+			wantMode: modeReconcile, keepsSlots: true,
+		},
+		{
+			name: "restart, another service changed",
+			full: restart,
+			whileDown: func(h *harness) {
+				_, sl := svcN(7)
+				sl.Endpoints[0].Addresses = []string{"10.244.7.7"}
+				h.engine.OnEndpointSliceUpdate(nil, sl)
+			},
+			wantMode: modeReconcile, keepsSlots: true,
+			wantElems: []string{
+				"add endpoints-tcp 10.96.0.8 . 80 . 0", "add nodeport-endpoints-tcp 30007 . 0",
+				"add service-ips 10.96.0.8 . tcp . 80", "add service-nodeports tcp . 30007",
+				"delete endpoints-tcp 10.96.0.8 . 80 . 0", "delete nodeport-endpoints-tcp 30007 . 0",
+				"delete service-ips 10.96.0.8 . tcp . 80", "delete service-nodeports tcp . 30007"},
+		},
+		{
+			name: "restart, big changed: only its slots rewritten",
+			full: restart,
+			whileDown: func(h *harness) {
+				finalEps := append(bigEndpoints(3, 5, 6), "10.244.3.99")
+				slotService(h, finalEps)
+			},
+			wantMode:  modeReconcile,
+			wantElems: cat(bigSlots("add", 0, 1, 2, 3, 4, 5, 6, 7), bigSlots("delete", 0, 1, 2, 3, 4, 5, 6, 7, 8), bigDispatch),
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newSlotHarness(t)
+			churn(h)
+			assigned := slotLines(h.fake)
+			whileDown = tc.whileDown
+			h = tc.full(t, h)
+			before := h.nft.runs
+			st := h.sync()
+			if st.Mode != tc.wantMode {
+				t.Fatalf("full sync was %s, want %s", st.Mode, tc.wantMode)
+			}
+			got := elemOps(h.lastTx())
+			if tc.wantElems == nil && tc.wantMode != modeRebuild {
+				if h.nft.runs != before {
+					t.Errorf("ran a transaction:\n%s", h.lastTx())
+				}
+			} else if tc.wantElems != nil && !slices.Equal(got, tc.wantElems) {
+				t.Errorf("element operations:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(tc.wantElems, "\n"))
+			}
+			if tc.keepsSlots {
+				if got := slotLines(h.fake); !strings.Contains(got, "10.96.9.1 . 80 . 2 : 10.244.3.10 . 8080") || !strings.Contains(got, "10.96.9.1 . 80 . 4 : 10.244.3.99 . 8080") {
+					t.Errorf("big's slots were not kept:\n%s", got)
+				}
+				if tc.whileDown == nil && slotLines(h.fake) != assigned {
+					t.Errorf("slots changed:\n%s", diff(slotLines(h.fake), assigned))
+				}
+			}
+			want := freshDump(t, func(f *harness) {
+				slotObjects(f, finalEps)
+				if tc.whileDown != nil {
+					tc.whileDown(f)
+				}
+			})
+			if got := canonicalDump(h.fake); got != want {
+				t.Errorf("table differs from a fresh one's (slots aside):\n%s", diff(got, want))
+			}
+			// The next change of big is still one slot per destination.
+			eps := finalEps
+			if tc.name == "restart, big changed: only its slots rewritten" {
+				eps = append(bigEndpoints(3, 5, 6), "10.244.3.99")
+			}
+			next := slices.Clone(eps)
+			next[0] = "10.244.3.77" // 10.244.3.1
+			slotService(h, next)
+			if st := h.sync(); st.Mode != modePartial {
+				t.Fatalf("sync after the full one was %s", st.Mode)
+			}
+			if got := elemOps(h.lastTx()); len(got) != 8 {
+				t.Errorf("replacing an endpoint after the full sync: %d element operations, want 8:\n%s", len(got), strings.Join(got, "\n"))
+			}
+		})
+	}
+}
+
+func cat(lists ...[]string) []string {
+	var out []string
+	for _, l := range lists {
+		out = append(out, l...)
+	}
+	slices.Sort(out)
+	return out
+}
