@@ -3,8 +3,8 @@ package nftables
 import (
 	"context"
 	"fmt"
-	"strings"
 	"slices"
+	"strings"
 	"testing"
 
 	"sigs.k8s.io/knftables"
