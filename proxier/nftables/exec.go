@@ -86,16 +86,6 @@ func (n *execNFT) Check(ctx context.Context, tx *knftables.Transaction) error {
 }
 
 func (n *execNFT) run(ctx context.Context, tx *knftables.Transaction, check bool) error {
-	text := tx.String()
-	// A transaction with a pending error (an invalid operation) renders it
-	// as a last comment line; knftables returns that error without running
-	// nft.
-	if strings.HasPrefix(text, "# ERROR: ") || strings.Contains(text, "\n# ERROR: ") {
-		if check {
-			return n.Interface.Check(ctx, tx)
-		}
-		return n.Interface.Run(ctx, tx)
-	}
 	args := []string{"-f", "-"}
 	if check {
 		args = []string{"--check", "-f", "-"}
@@ -107,11 +97,24 @@ func (n *execNFT) run(ctx context.Context, tx *knftables.Transaction, check bool
 	if err != nil {
 		return fmt.Errorf("running nft: %w", err)
 	}
+	// nft starts while the transaction renders.
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("running nft: %w", err)
 	}
+	text := tx.String()
+	// A transaction with a pending error (an invalid operation) renders it
+	// as a last comment line; knftables returns that error without running
+	// nft. nft gets an empty input, which changes nothing.
+	if strings.HasPrefix(text, "# ERROR: ") || strings.Contains(text, "\n# ERROR: ") {
+		_ = stdin.Close()
+		_ = cmd.Wait()
+		if check {
+			return n.Interface.Check(ctx, tx)
+		}
+		return n.Interface.Run(ctx, tx)
+	}
 	// nft reads its whole input before it runs it; the merged text is
-	// written while it reads, never held whole.
+	// written as it reads, never held whole.
 	w := bufio.NewWriterSize(stdin, 64<<10)
 	var werr error
 	if n.noMerge {

@@ -251,6 +251,14 @@ func TestExecNFTErrors(t *testing.T) {
 			},
 			wantMessage: []string{"no key specified"},
 		},
+		{
+			name: "an invalid operation, checked",
+			build: func(tx *knftables.Transaction) {
+				tx.Add(&knftables.Element{Set: "s"})
+			},
+			check:       true,
+			wantMessage: []string{"no key specified"},
+		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			before := listTable(t, p.merged, knftables.IPv4Family)
