@@ -249,15 +249,22 @@ func New(opts Options) (*Backend, error) {
 // ("ip kproxy" or "ip6 kproxy"). It runs nft to check that nft works. The
 // table's object names are listed over netlink (knftables.UseNetlink):
 // "nft list" reads every set element of the table first, seconds at
-// 10,000 services.
+// 10,000 services. Transactions go to nft with each run of element
+// commands on one set or map merged into one command (execNFT).
 func NewInterface(family v1.IPFamily) (knftables.Interface, error) {
+	fam := knftables.IPv4Family
 	switch family {
 	case v1.IPv4Protocol:
-		return knftables.New(knftables.IPv4Family, TableName, knftables.UseNetlink)
 	case v1.IPv6Protocol:
-		return knftables.New(knftables.IPv6Family, TableName, knftables.UseNetlink)
+		fam = knftables.IPv6Family
+	default:
+		return nil, fmt.Errorf("nftables: unknown IP family %q", family)
 	}
-	return nil, fmt.Errorf("nftables: unknown IP family %q", family)
+	nft, err := newExecNFT(execOptions{Family: fam, Table: TableName})
+	if err != nil {
+		return nil, err
+	}
+	return nft, nil
 }
 
 // LastSync returns the statistics of the last successful sync.
@@ -513,7 +520,9 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 	// go first, in transactions of at most endpointChunk elements: nothing
 	// leads to them until the main transaction adds their dispatch
 	// elements, so traffic still sees one change, and no transaction (nor
-	// knftables' command buffer, which keeps its size) holds them all.
+	// its text) holds them all. nft's time does not depend on the chunk
+	// size (its CPU at 10,000 services x 10 endpoints: the same within
+	// noise for chunks of 4,096, 16,384 or all of the slots).
 	for len(p.preEndpoints) > 0 {
 		tx := b.nft.NewTransaction()
 		if p.addTable {

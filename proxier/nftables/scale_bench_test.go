@@ -10,7 +10,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"runtime"
 	"runtime/pprof"
 	"slices"
@@ -47,7 +46,9 @@ import (
 // each split into the time inside nft transactions, listing and checking,
 // and CPU: the process's own (kproxy: RUSAGE_SELF, which leaves the nft
 // children out) and nft's (RUSAGE_CHILDREN). The floor of each write is the
-// same transaction text piped to "nft -f -" in the same namespace over the
+// same input kproxy gives nft (the transaction's text with its element
+// commands merged, mergeElements; KPROXY_BENCH_NFT_UNMERGED=1 sends and
+// measures it unmerged) piped to "nft -f -" in the same namespace over the
 // same table (a change and its way back are both replayed, so the table
 // ends where kproxy left it): ratio = kproxy's time / the floor's.
 //
@@ -173,6 +174,24 @@ type benchNFT struct {
 	lists                        int
 	ran                          []*knftables.Transaction
 	mirror                       *memNFT
+	// unmerged: the interface sends transactions unmerged.
+	unmerged bool
+}
+
+// input is what the interface sends nft for a transaction's text.
+func (n *benchNFT) input(text string) string {
+	if n.unmerged {
+		return text
+	}
+	return mergedText(text)
+}
+
+func (n *benchNFT) inputs(texts []string) []string {
+	out := make([]string, len(texts))
+	for i, t := range texts {
+		out[i] = n.input(t)
+	}
+	return out
 }
 
 func (n *benchNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
@@ -349,7 +368,7 @@ func (r *benchRig) replay(tb testing.TB, samples ...*sample) {
 	tb.Helper()
 	for _, s := range samples {
 		for _, text := range s.texts {
-			wall, cpu, self := r.nft.floor(tb, text)
+			wall, cpu, self := r.nft.floor(tb, r.nft.input(text))
 			s.floor += wall
 			s.floorCPU += cpu
 			s.floorSelf += self
@@ -364,9 +383,9 @@ type shapeResult struct {
 	restartChange          []*sample
 	changes, adds, removes []*sample
 	canary                 time.Duration
-	// fullBatched is the full sync's floor with consecutive element adds
-	// of one map batched into one command.
-	fullBatched           time.Duration
+	// fullUnmerged is the full sync's floor with its transactions as
+	// knftables renders them (one command per element), not merged.
+	fullUnmerged          time.Duration
 	firstPacketRules      int
 	firstPacketPath       string
 	natRules, filterRules int
@@ -379,7 +398,19 @@ func benchShape(b *testing.B, s pt.WorkloadShape) *shapeResult {
 	if err != nil {
 		b.Fatal(err)
 	}
-	r := &benchRig{nft: &benchNFT{nsNFT: real, mirror: newMemNFT()}}
+	// KPROXY_BENCH_NFT_UNMERGED=1 measures transactions sent as knftables
+	// renders them, one command per element.
+	unmerged := os.Getenv("KPROXY_BENCH_NFT_UNMERGED") == "1"
+	if unmerged {
+		if err := ns.Do(func() error {
+			var err error
+			real.real, err = newExecNFT(execOptions{Family: knftables.IPv4Family, Table: TableName, NoMerge: true})
+			return err
+		}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	r := &benchRig{nft: &benchNFT{nsNFT: real, mirror: newMemNFT(), unmerged: unmerged}}
 	r.svcs, r.slices = pt.ShapedWorkload(s)
 	res := &shapeResult{shape: s}
 	n := s.Services
@@ -393,15 +424,15 @@ func benchShape(b *testing.B, s pt.WorkloadShape) *shapeResult {
 		b.Fatal(err)
 	}
 	r.replay(b, res.full)
-	dump(b, s, "full", res.full.texts)
-	// What nft would take for the same elements written as one command per
-	// map (knftables writes one command per element).
+	dump(b, s, "full", r.nft.inputs(res.full.texts))
+	// What nft takes for the same transactions written as knftables
+	// renders them, one command per element.
 	if err := deleteTable(ctx, real); err != nil {
 		b.Fatal(err)
 	}
 	for _, text := range res.full.texts {
-		wall, _, _ := r.nft.floor(b, batchElements(text))
-		res.fullBatched += wall
+		wall, _, _ := r.nft.floor(b, text)
+		res.fullUnmerged += wall
 	}
 
 	// Rules a first packet evaluates: a pod to the ClusterIP of a few
@@ -462,7 +493,7 @@ func benchShape(b *testing.B, s pt.WorkloadShape) *shapeResult {
 		r.replay(b, there, back)
 		res.changes = append(res.changes, there, back)
 		if i == 0 {
-			dump(b, s, "change", there.texts)
+			dump(b, s, "change", r.nft.inputs(there.texts))
 		}
 	}
 
@@ -535,7 +566,7 @@ func (r *shapeResult) report(b *testing.B) {
 	b.ReportMetric(f.nft.Seconds(), "full-nft-s")
 	b.ReportMetric(f.floor.Seconds(), "full-floor-s")
 	b.ReportMetric(f.ratio(), "full-x-floor")
-	b.ReportMetric(r.fullBatched.Seconds(), "full-floor-batched-s")
+	b.ReportMetric(r.fullUnmerged.Seconds(), "full-floor-unmerged-s")
 	b.ReportMetric(f.self.Seconds(), "full-kproxy-cpu-s")
 	b.ReportMetric(f.share(), "full-kproxy-cpu-%")
 	b.ReportMetric(r.restart.wall.Seconds(), "restart-s")
@@ -557,8 +588,8 @@ func (r *shapeResult) report(b *testing.B) {
 	b.ReportMetric(ms(r.canary), "canary-ms")
 	b.ReportMetric(float64(r.firstPacketRules), "first-packet-rules")
 	b.ReportMetric(float64(r.natRules+r.filterRules), "table-rules")
-	b.Logf("%v: full %v (nft %v, reads %v; floor %v, %v with elements batched; kproxy CPU %v, nft CPU %v, floor nft CPU %v; %d operations)",
-		r.shape, round(f.wall), round(f.nft), round(f.read), round(f.floor), round(r.fullBatched), round(f.self), round(f.nftCPU), round(f.floorCPU), f.ops)
+	b.Logf("%v: full %v (nft %v, reads %v; floor %v, %v unmerged; kproxy CPU %v, nft CPU %v, floor nft CPU %v; %d operations)",
+		r.shape, round(f.wall), round(f.nft), round(f.read), round(f.floor), round(r.fullUnmerged), round(f.self), round(f.nftCPU), round(f.floorCPU), f.ops)
 	b.Logf("%v: restart %v (%d operations; listing %v in %d calls, nft --check %v; kproxy CPU %v)",
 		r.shape, round(r.restart.wall), r.restart.ops, round(r.restart.read), r.restart.lists, round(r.restart.nft), round(r.restart.self))
 	for _, s := range r.restartChange {
@@ -618,37 +649,6 @@ func (r *shapeResult) row() string {
 		r.shape, r.full.wall.Seconds(), r.full.ratio(), r.full.share(), r.restart.wall.Seconds(), rc.wall.Seconds(), rc.ratio(),
 		median(r.changes, (*sample).wallMS), median(r.changes, (*sample).nftMS), median(r.changes, (*sample).ratio), median(r.changes, (*sample).share),
 		median(r.adds, (*sample).wallMS), median(r.adds, (*sample).ratio), ms(r.canary), r.firstPacketRules)
-}
-
-var addElementLine = regexp.MustCompile(`^add element (\S+ \S+ \S+) \{ (.*) \}$`)
-
-// batchElements rewrites a transaction's text with each run of "add
-// element" lines of one map or set as one command.
-func batchElements(text string) string {
-	var out strings.Builder
-	target := ""
-	var batch []string
-	flush := func() {
-		if len(batch) > 0 {
-			fmt.Fprintf(&out, "add element %s { %s }\n", target, strings.Join(batch, ", "))
-		}
-		batch = batch[:0]
-	}
-	for _, line := range strings.Split(strings.TrimSuffix(text, "\n"), "\n") {
-		m := addElementLine.FindStringSubmatch(line)
-		if m == nil || m[1] != target {
-			flush()
-		}
-		if m == nil {
-			out.WriteString(line + "\n")
-			target = ""
-			continue
-		}
-		target = m[1]
-		batch = append(batch, m[2])
-	}
-	flush()
-	return out.String()
 }
 
 // dump writes a phase's transactions to $KPROXY_BENCH_NFT_DUMP/<shape>-<phase>.nft

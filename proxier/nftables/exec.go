@@ -1,0 +1,211 @@
+package nftables
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"os/exec"
+	"regexp"
+	"strconv"
+	"strings"
+
+	"sigs.k8s.io/knftables"
+)
+
+// execNFT is the knftables.Interface the agent uses: knftables' own for
+// everything but Run and Check, which pipe the transaction to "nft -f -"
+// (as knftables does) with its element commands merged (mergeElements).
+// Its errors are knftables' kind: knftables.IsNotFound and
+// IsAlreadyExists classify them as they would knftables' own, and a
+// position nft reports in the merged text is mapped back to the
+// transaction's line (tx.String()).
+type execNFT struct {
+	knftables.Interface
+	path string
+	// noMerge sends the transaction as knftables renders it.
+	noMerge bool
+	// notFound and exists carry knftables' classification of an error
+	// (knftables.IsNotFound, IsAlreadyExists) into execNFT's.
+	notFound, exists error
+}
+
+// execOptions configure newExecNFT.
+type execOptions struct {
+	Family knftables.Family
+	Table  string
+	// NoMerge sends transactions unmerged (for measuring the merge).
+	NoMerge bool
+}
+
+func newExecNFT(opts execOptions) (*execNFT, error) {
+	inner, err := knftables.New(opts.Family, opts.Table, knftables.UseNetlink)
+	if err != nil {
+		return nil, err
+	}
+	path, err := exec.LookPath("nft")
+	if err != nil {
+		return nil, fmt.Errorf("could not find nftables binary: %w", err)
+	}
+	notFound, exists, err := knftablesErrors()
+	if err != nil {
+		return nil, err
+	}
+	return &execNFT{Interface: inner, path: path, noMerge: opts.NoMerge, notFound: notFound, exists: exists}, nil
+}
+
+// knftablesErrors returns an error of each kind knftables classifies
+// (IsNotFound, IsAlreadyExists). Its error type is unexported, so they
+// come from its fake, which returns the same type.
+func knftablesErrors() (notFound, exists error, err error) {
+	ctx := context.Background()
+	fake := knftables.NewFake(knftables.IPv4Family, "probe")
+	_, notFound = fake.ListAll(ctx)
+	tx := fake.NewTransaction()
+	tx.Add(&knftables.Table{})
+	if err := fake.Run(ctx, tx); err != nil {
+		return nil, nil, fmt.Errorf("knftables fake: %w", err)
+	}
+	tx = fake.NewTransaction()
+	tx.Create(&knftables.Table{})
+	exists = fake.Run(ctx, tx)
+	if !knftables.IsNotFound(notFound) || !knftables.IsAlreadyExists(exists) {
+		return nil, nil, fmt.Errorf("knftables fake: unexpected errors %v, %v", notFound, exists)
+	}
+	return notFound, exists, nil
+}
+
+// Run is part of knftables.Interface.
+func (n *execNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
+	return n.run(ctx, tx, false)
+}
+
+// Check is part of knftables.Interface.
+func (n *execNFT) Check(ctx context.Context, tx *knftables.Transaction) error {
+	return n.run(ctx, tx, true)
+}
+
+func (n *execNFT) run(ctx context.Context, tx *knftables.Transaction, check bool) error {
+	args := []string{"-f", "-"}
+	if check {
+		args = []string{"--check", "-f", "-"}
+	}
+	cmd := exec.CommandContext(ctx, n.path, args...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return fmt.Errorf("running nft: %w", err)
+	}
+	// nft starts while the transaction renders.
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("running nft: %w", err)
+	}
+	text := tx.String()
+	// A transaction with a pending error (an invalid operation) renders it
+	// as a last comment line; knftables returns that error without running
+	// nft. nft gets an empty input, which changes nothing.
+	if strings.HasPrefix(text, "# ERROR: ") || strings.Contains(text, "\n# ERROR: ") {
+		_ = stdin.Close()
+		_ = cmd.Wait()
+		if check {
+			return n.Interface.Check(ctx, tx)
+		}
+		return n.Interface.Run(ctx, tx)
+	}
+	// nft reads its whole input before it runs it; the merged text is
+	// written as it reads, never held whole.
+	w := bufio.NewWriterSize(stdin, 64<<10)
+	var werr error
+	if n.noMerge {
+		_, werr = w.WriteString(text)
+	} else {
+		werr = mergeElements(w, text)
+	}
+	if werr == nil {
+		werr = w.Flush()
+	}
+	if cerr := stdin.Close(); werr == nil {
+		werr = cerr
+	}
+	if err := cmd.Wait(); err != nil {
+		return n.wrapError(err, stderr.String(), text)
+	}
+	if werr != nil {
+		return fmt.Errorf("writing to nft: %w", werr)
+	}
+	return nil
+}
+
+// nftError is a failed nft run: its message, and knftables' kind of
+// error (for knftables.IsNotFound, IsAlreadyExists) if it has one.
+type nftError struct {
+	msg  string
+	errs []error
+}
+
+func (e *nftError) Error() string   { return e.msg }
+func (e *nftError) Unwrap() []error { return e.errs }
+
+// wrapError classifies a failed run as knftables does, by the first line
+// of nft's error output, and rewrites that output to name the
+// transaction's lines (see mapPositions).
+func (n *execNFT) wrapError(err error, stderr, text string) error {
+	if stderr == "" {
+		return &nftError{msg: err.Error(), errs: []error{err}}
+	}
+	e := &nftError{errs: []error{err}}
+	first, _, _ := strings.Cut(stderr, "\n")
+	// nft does not call setlocale(): its messages are English.
+	switch {
+	case strings.Contains(first, "No such file or directory"):
+		e.errs = append(e.errs, n.notFound)
+	case strings.Contains(first, "File exists"):
+		e.errs = append(e.errs, n.exists)
+	}
+	if n.noMerge {
+		e.msg = stderr
+	} else {
+		e.msg = mapPositions(stderr, text)
+	}
+	return e
+}
+
+// nftPosition is the position nft puts before an error in its input
+// ("/dev/stdin:12:5-9: Error: ...").
+var nftPosition = regexp.MustCompile(`^(\S+):(\d+):(\d+)-(\d+): (.*)$`)
+
+// caretLine underlines the error's position in the line above it.
+var caretLine = regexp.MustCompile(`^[ \t]*[\^~]+[ \t]*$`)
+
+// mapPositions rewrites nft's error output for a merged text: each error's
+// position names the transaction's line (tx.String()) too, and the merged
+// command nft quotes after it (possibly thousands of elements long) is
+// replaced by the transaction's command of the element at fault.
+func mapPositions(stderr, text string) string {
+	lines := strings.Split(strings.TrimSuffix(stderr, "\n"), "\n")
+	var out strings.Builder
+	for i := 0; i < len(lines); i++ {
+		m := nftPosition.FindStringSubmatch(lines[i])
+		if m == nil {
+			out.WriteString(lines[i] + "\n")
+			continue
+		}
+		line, _ := strconv.Atoi(m[2])
+		col, _ := strconv.Atoi(m[3])
+		orig, cmd, ok := originalLine(text, line, col)
+		if !ok {
+			out.WriteString(lines[i] + "\n")
+			continue
+		}
+		fmt.Fprintf(&out, "%s:%d:%d-%s (transaction line %d): %s\n%s\n", m[1], line, col, m[4], orig, m[5], cmd)
+		// Skip the quoted merged line and its underline.
+		if i+1 < len(lines) && !nftPosition.MatchString(lines[i+1]) {
+			i++
+			if i+1 < len(lines) && caretLine.MatchString(lines[i+1]) {
+				i++
+			}
+		}
+	}
+	return out.String()
+}
