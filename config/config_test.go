@@ -549,7 +549,7 @@ var sliceHarness = harness[*discovery.EndpointSlice]{
 			t.Fatalf("NewInformerFactories: %v", err)
 		}
 		factory := f.EndpointSlices
-		cfg, err := NewEndpointSliceConfig(ctx, factory.Discovery().V1().EndpointSlices(), 0)
+		cfg, err := NewEndpointSliceConfig(ctx, factory.Discovery().V1().EndpointSlices())
 		if err != nil {
 			t.Fatalf("NewEndpointSliceConfig: %v", err)
 		}
@@ -603,8 +603,10 @@ func TestEndpointSliceConfig(t *testing.T) {
 				if got := len(s.current["ns/a"].Endpoints); got != 2 {
 					t.Errorf("ns/a has %d endpoints, want 2", got)
 				}
-				if got := len(s.lastOld["ns/a"].Endpoints); got != 1 {
-					t.Errorf("ns/a old slice in update has %d endpoints, want 1", got)
+				// The old object is the cached one, whose endpoints were
+				// released after the handlers had it.
+				if old := s.lastOld["ns/a"]; old == nil || len(old.Endpoints) != 0 || old.Labels[discovery.LabelServiceName] == "" {
+					t.Errorf("ns/a old slice in update = %v, want the cached slice without endpoints", old)
 				}
 			},
 		},
@@ -862,7 +864,7 @@ var directCases = []directCase{
 		name: "update delivers old and new",
 		events: func(h cache.ResourceEventHandler, obj, _ any) {
 			h.OnAdd(obj, false)
-			h.OnUpdate(obj, obj)
+			h.OnUpdate(obj, obj.(runtime.Object).DeepCopyObject())
 		},
 		want:       []string{"ns/x"},
 		wantCounts: eventCounts{Adds: 1, Updates: 1},
@@ -929,7 +931,7 @@ func TestServiceConfigDirectEvents(t *testing.T) {
 func TestEndpointSliceConfigDirectEvents(t *testing.T) {
 	runDirectCases(t, directHarness[*discovery.EndpointSlice]{
 		handler: func(ctx context.Context, t *testing.T, rec *recorder[*discovery.EndpointSlice]) cache.ResourceEventHandler {
-			cfg, err := NewEndpointSliceConfig(ctx, idle().Discovery().V1().EndpointSlices(), 0)
+			cfg, err := NewEndpointSliceConfig(ctx, idle().Discovery().V1().EndpointSlices())
 			if err != nil {
 				t.Fatalf("NewEndpointSliceConfig: %v", err)
 			}
@@ -984,7 +986,7 @@ func TestRunWithoutSync(t *testing.T) {
 			name: "endpoint slices",
 			run: func(ctx context.Context, t *testing.T) func() int {
 				rec := newRecorder[*discovery.EndpointSlice]()
-				cfg, err := NewEndpointSliceConfig(ctx, idle().Discovery().V1().EndpointSlices(), 0)
+				cfg, err := NewEndpointSliceConfig(ctx, idle().Discovery().V1().EndpointSlices())
 				if err != nil {
 					t.Fatalf("NewEndpointSliceConfig: %v", err)
 				}
@@ -1014,6 +1016,84 @@ func TestRunWithoutSync(t *testing.T) {
 			cancel()
 			if got := tc.run(ctx, t)(); got != 0 {
 				t.Errorf("synced called %d times, want 0", got)
+			}
+		})
+	}
+}
+
+// TestEndpointSliceConfigReleasesEndpoints: handlers get a slice's
+// endpoints, the cached object then keeps none, a replay of the cache (a
+// resync) is not delivered, and deletes still name the slice and its
+// service.
+func TestEndpointSliceConfigReleasesEndpoints(t *testing.T) {
+	cases := []struct {
+		name         string
+		events       func(h cache.ResourceEventHandler, a, b *discovery.EndpointSlice)
+		wantCounts   eventCounts
+		wantReleased int
+		wantEps      int // endpoints of ns/x as the handler last saw it
+	}{
+		{
+			name:         "add delivers endpoints then releases them",
+			events:       func(h cache.ResourceEventHandler, a, _ *discovery.EndpointSlice) { h.OnAdd(a, false) },
+			wantCounts:   eventCounts{Adds: 1},
+			wantReleased: 1, wantEps: 1,
+		},
+		{
+			name: "a replay of the cached slice is not delivered",
+			events: func(h cache.ResourceEventHandler, a, _ *discovery.EndpointSlice) {
+				h.OnAdd(a, false)
+				h.OnUpdate(a, a)
+			},
+			wantCounts:   eventCounts{Adds: 1},
+			wantReleased: 1, wantEps: 1,
+		},
+		{
+			name: "an update delivers the new slice and forgets the old",
+			events: func(h cache.ResourceEventHandler, a, b *discovery.EndpointSlice) {
+				h.OnAdd(a, false)
+				h.OnUpdate(a, b)
+			},
+			wantCounts:   eventCounts{Adds: 1, Updates: 1},
+			wantReleased: 1, wantEps: 2,
+		},
+		{
+			name: "a tombstone of a released slice deletes it",
+			events: func(h cache.ResourceEventHandler, a, _ *discovery.EndpointSlice) {
+				h.OnAdd(a, false)
+				h.OnDelete(cache.DeletedFinalStateUnknown{Key: "ns/x", Obj: a})
+			},
+			wantCounts: eventCounts{Adds: 1, Deletes: 1},
+		},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			cfg, err := NewEndpointSliceConfig(ctx, idle().Discovery().V1().EndpointSlices())
+			if err != nil {
+				t.Fatal(err)
+			}
+			rec := newRecorder[*discovery.EndpointSlice]()
+			cfg.RegisterEventHandler(sliceRecorder{rec})
+			a, b := newSlice("ns", "x", nil, "10.0.0.1"), newSlice("ns", "x", nil, "10.0.0.1", "10.0.0.2")
+			tc.events(cfg.eventHandler(), a, b)
+			s := rec.state()
+			if s.counts != tc.wantCounts {
+				t.Errorf("events = %+v, want %+v", s.counts, tc.wantCounts)
+			}
+			for _, v := range s.violations {
+				t.Errorf("inconsistent event stream: %s", v)
+			}
+			if got := len(cfg.released); got != tc.wantReleased {
+				t.Errorf("%d slices released, want %d", got, tc.wantReleased)
+			}
+			if cur, ok := s.current["ns/x"]; ok && len(cur.Endpoints) != tc.wantEps {
+				t.Errorf("handler saw %d endpoints, want %d", len(cur.Endpoints), tc.wantEps)
+			}
+			for _, sl := range []*discovery.EndpointSlice{a, b} {
+				if _, released := cfg.released[sl]; released && (len(sl.Endpoints) != 0 || sl.Labels[discovery.LabelServiceName] == "" || sl.AddressType == "") {
+					t.Errorf("released slice %+v: want no endpoints, its labels and address type", sl)
+				}
 			}
 		})
 	}

@@ -143,7 +143,7 @@ func (r *recorder[T]) add(obj T) {
 	if _, exists := r.current[key]; exists {
 		r.violations = append(r.violations, "add of known object "+key)
 	}
-	r.current[key] = obj
+	r.current[key] = obj.DeepCopyObject().(T)
 	r.counts.Adds++
 }
 
@@ -158,12 +158,22 @@ func (r *recorder[T]) update(oldObj, newObj T) {
 	switch {
 	case !exists:
 		r.violations = append(r.violations, "update of unknown object "+key)
-	case !apiequality.Semantic.DeepEqual(known, oldObj):
+	case !apiequality.Semantic.DeepEqual(metaOf(known), metaOf(oldObj)):
 		r.violations = append(r.violations, "update of "+key+" whose old object is not the last delivered one")
 	}
-	r.current[key] = newObj
-	r.lastOld[key] = oldObj
+	r.current[key] = newObj.DeepCopyObject().(T)
+	r.lastOld[key] = oldObj.DeepCopyObject().(T)
 	r.counts.Updates++
+}
+
+// metaOf is the object metadata of obj: what an update's old object is
+// checked on (an EndpointSlice's old object has no endpoints, see
+// EndpointSliceConfig).
+func metaOf(obj metav1.Object) metav1.ObjectMeta {
+	return metav1.ObjectMeta{
+		Namespace: obj.GetNamespace(), Name: obj.GetName(), UID: obj.GetUID(),
+		ResourceVersion: obj.GetResourceVersion(), Labels: obj.GetLabels(), Annotations: obj.GetAnnotations(),
+	}
 }
 
 func (r *recorder[T]) delete(obj T) {

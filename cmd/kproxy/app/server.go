@@ -351,7 +351,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	svcCfg.RegisterEventHandler(otherNodesCfg)
 	otherNodesCfg.RegisterEventHandler(p)
 	svcCfg.RegisterEventHandler(p)
-	epCfg, err := config.NewEndpointSliceConfig(ctx, factories.EndpointSlices.Discovery().V1().EndpointSlices(), o.ConfigSyncPeriod)
+	epCfg, err := config.NewEndpointSliceConfig(ctx, factories.EndpointSlices.Discovery().V1().EndpointSlices())
 	if err != nil {
 		return err
 	}
