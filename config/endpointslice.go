@@ -117,7 +117,8 @@ func (c *EndpointSliceConfig) isReleased(slice *discovery.EndpointSlice) bool {
 }
 
 // release drops the endpoints and ports of slice, which every handler has
-// been given and which the informer's cache holds, and forgets old, the
+// been given and which the informer's cache holds (and its annotations:
+// the trigger time was read), and forgets old, the
 // object it replaced. The handlers keep nothing of a slice but what they
 // derived from it (the EndpointSliceHandler contract), and nothing else
 // reads the slice informer's cache: the engines' EndpointSliceCache holds
@@ -129,6 +130,6 @@ func (c *EndpointSliceConfig) release(old, slice *discovery.EndpointSlice) {
 	if old != nil {
 		delete(c.released, old)
 	}
-	slice.Endpoints, slice.Ports = nil, nil
+	slice.Endpoints, slice.Ports, slice.Annotations = nil, nil, nil
 	c.released[slice] = struct{}{}
 }

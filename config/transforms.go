@@ -1,6 +1,7 @@
 package config
 
 import (
+	"slices"
 	"sync"
 
 	v1 "k8s.io/api/core/v1"
@@ -15,8 +16,8 @@ import (
 // reach the handlers: managed fields and owner references are dropped, of the
 // annotations only the ones the engine looks at are kept, and of an
 // EndpointSlice's labels only the service-name label and of its endpoints
-// only what endpoint selection reads. Service labels and specs are left
-// alone.
+// only what endpoint selection reads; a Service loses its labels and pod
+// selector (the API server applies the label selectors).
 //
 // client-go hands a transform freshly decoded objects that nobody else holds,
 // so they are trimmed in place. Tombstones (cache.DeletedFinalStateUnknown)
@@ -34,7 +35,7 @@ var serviceAnnotations = []string{proxy.AnnotationTopologyKeys, v1.AnnotationLoa
 var endpointSliceAnnotations = []string{v1.EndpointsLastChangeTriggerTime}
 
 // transformService trims a *v1.Service to what the engine reads: no managed
-// fields or owner references, only serviceAnnotations, and no status conditions (only the load
+// fields, owner references, labels or pod selector, only serviceAnnotations, and no status conditions (only the load
 // balancer status is read).
 func transformService(obj any) (any, error) {
 	svc, ok := obj.(*v1.Service)
@@ -43,6 +44,10 @@ func transformService(obj any) (any, error) {
 	}
 	svc.ManagedFields = nil
 	svc.OwnerReferences = nil
+	// The label selectors are applied by the API server; the engine reads
+	// neither labels nor the pod selector.
+	svc.Labels = nil
+	svc.Spec.Selector = nil
 	keepAnnotations(&svc.ObjectMeta, serviceAnnotations...)
 	svc.Status.Conditions = nil
 	return svc, nil
@@ -181,9 +186,21 @@ func keepAnnotations(meta *metav1.ObjectMeta, keys ...string) {
 	meta.Annotations = kept(meta.Annotations, keys)
 }
 
-// kept returns a new map of the entries of m under keys, or nil when there
-// is none.
+// kept returns the entries of m under keys: m itself when it has no other
+// key, else a new map, or nil when there is none.
 func kept(m map[string]string, keys []string) map[string]string {
+	if len(m) <= len(keys) {
+		others := false
+		for k := range m {
+			others = others || !slices.Contains(keys, k)
+		}
+		if !others {
+			if len(m) == 0 {
+				return nil
+			}
+			return m
+		}
+	}
 	var out map[string]string
 	for _, key := range keys {
 		value, ok := m[key]

@@ -2,6 +2,8 @@ package config
 
 import (
 	"context"
+	"maps"
+	"reflect"
 	"testing"
 	"time"
 
@@ -23,6 +25,7 @@ var testManagedFields = []metav1.ManagedFieldsEntry{{Manager: "kubectl", Operati
 // what it keeps.
 func fullService() *v1.Service {
 	svc := newService("ns", "web", withServiceLabels(map[string]string{"app": "web"}))
+	svc.Spec.Selector = map[string]string{"app": "web"}
 	svc.ManagedFields = testManagedFields
 	svc.Annotations = map[string]string{
 		proxy.AnnotationTopologyKeys:                       "kubernetes.io/hostname,*",
@@ -146,6 +149,8 @@ func TestTransformService(t *testing.T) {
 		svc := fullService()
 		svc.ManagedFields = nil
 		svc.OwnerReferences = nil
+		svc.Labels = nil
+		svc.Spec.Selector = nil
 		svc.Annotations = annotations
 		svc.Status.Conditions = nil
 		return svc
@@ -267,6 +272,7 @@ func TestInformerFactoriesTrimObjects(t *testing.T) {
 				proxy.AnnotationTopologyKeys:             "kubernetes.io/hostname,*",
 				v1.AnnotationLoadBalancerSourceRangesKey: "10.0.0.0/8",
 			},
+			wantLabels: map[string]string{},
 		},
 		{
 			name:   "endpoint slice",
@@ -376,5 +382,40 @@ func TestSliceTrimmerShares(t *testing.T) {
 	}
 	if got, _ := tr.transform(fullService()); !apiequality.Semantic.DeepEqual(got, fullService()) {
 		t.Errorf("trimmer changed a Service")
+	}
+}
+
+// TestKept: the kept entries, reusing the map when nothing is dropped.
+func TestKept(t *testing.T) {
+	keys := []string{"a", "b"}
+	for _, tc := range []struct {
+		name      string
+		in, want  map[string]string
+		wantSame  bool
+		wantIsNil bool
+	}{
+		{name: "nil stays nil", in: nil, wantIsNil: true},
+		{name: "empty becomes nil", in: map[string]string{}, wantIsNil: true},
+		{name: "only kept keys: the same map", in: map[string]string{"a": "1"}, want: map[string]string{"a": "1"}, wantSame: true},
+		{name: "all kept keys: the same map", in: map[string]string{"a": "1", "b": "2"}, want: map[string]string{"a": "1", "b": "2"}, wantSame: true},
+		{name: "others dropped into a new map", in: map[string]string{"a": "1", "c": "3"}, want: map[string]string{"a": "1"}},
+		{name: "no kept key: nil", in: map[string]string{"c": "3"}, wantIsNil: true},
+		{name: "more entries than keys", in: map[string]string{"a": "1", "b": "2", "c": "3"}, want: map[string]string{"a": "1", "b": "2"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := kept(tc.in, keys)
+			if tc.wantIsNil {
+				if got != nil {
+					t.Fatalf("kept = %v, want nil", got)
+				}
+				return
+			}
+			if !maps.Equal(got, tc.want) {
+				t.Errorf("kept = %v, want %v", got, tc.want)
+			}
+			if same := reflect.ValueOf(got).UnsafePointer() == reflect.ValueOf(tc.in).UnsafePointer(); same != tc.wantSame {
+				t.Errorf("kept returned the same map = %v, want %v", same, tc.wantSame)
+			}
+		})
 	}
 }

@@ -23,9 +23,9 @@ import (
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
 )
 
-// sinkNFT is a knftables.Interface that, like the real one, renders each
-// transaction into one buffer it keeps (knftables reuses its command
-// buffer: its capacity stays) and otherwise remembers only the names of
+// sinkNFT is a knftables.Interface that, like the real one (execNFT),
+// renders each transaction's text (here kept until the next one, a little
+// more than execNFT, which streams it to nft) and otherwise remembers only the names of
 // the table's objects and the elements of sync-state, so that the heap it
 // leaves is about what the real interface leaves (the kernel holds the
 // elements, not kproxy).
