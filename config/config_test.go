@@ -605,7 +605,7 @@ func TestEndpointSliceConfig(t *testing.T) {
 				}
 				// The old object is the cached one, whose endpoints were
 				// released after the handlers had it.
-				if old := s.lastOld["ns/a"]; old == nil || len(old.Endpoints) != 0 || old.Labels[discovery.LabelServiceName] == "" {
+				if old := s.lastOld["ns/a"]; old == nil || len(old.Endpoints) != 0 || old.Name != "a" {
 					t.Errorf("ns/a old slice in update = %v, want the cached slice without endpoints", old)
 				}
 			},
@@ -1091,8 +1091,8 @@ func TestEndpointSliceConfigReleasesEndpoints(t *testing.T) {
 				t.Errorf("handler saw %d endpoints, want %d", len(cur.Endpoints), tc.wantEps)
 			}
 			for _, sl := range []*discovery.EndpointSlice{a, b} {
-				if _, released := cfg.released[sl]; released && (len(sl.Endpoints) != 0 || sl.Labels[discovery.LabelServiceName] == "" || sl.AddressType == "") {
-					t.Errorf("released slice %+v: want no endpoints, its labels and address type", sl)
+				if _, released := cfg.released[sl]; released && (len(sl.Endpoints) != 0 || sl.Labels != nil || sl.Name == "" || sl.AddressType == "") {
+					t.Errorf("released slice %+v: want no endpoints or labels, its name and address type", sl)
 				}
 			}
 		})

@@ -20,7 +20,7 @@ import (
 // The informer's cache does not keep the slices' endpoints: once every
 // handler has been given a slice, its endpoints and ports are released (see
 // release), and the cached object keeps only what a delete needs (name,
-// namespace, labels, address type). The engines' EndpointSliceCache is the
+// namespace, address type). The engines' EndpointSliceCache is the
 // one copy of the endpoints; at 10,000 Services of 10 endpoints this is
 // about 25 MB less. Hence the slice informer never resyncs to these
 // handlers: a resync would replay the released objects.
@@ -117,8 +117,9 @@ func (c *EndpointSliceConfig) isReleased(slice *discovery.EndpointSlice) bool {
 }
 
 // release drops the endpoints and ports of slice, which every handler has
-// been given and which the informer's cache holds (and its annotations:
-// the trigger time was read), and forgets old, the
+// been given and which the informer's cache holds (and its annotations and
+// labels: a deletion without the service-name label is matched by slice
+// name in the engines' EndpointSliceCache), and forgets old, the
 // object it replaced. The handlers keep nothing of a slice but what they
 // derived from it (the EndpointSliceHandler contract), and nothing else
 // reads the slice informer's cache: the engines' EndpointSliceCache holds
@@ -130,6 +131,6 @@ func (c *EndpointSliceConfig) release(old, slice *discovery.EndpointSlice) {
 	if old != nil {
 		delete(c.released, old)
 	}
-	slice.Endpoints, slice.Ports, slice.Annotations = nil, nil, nil
+	slice.Endpoints, slice.Ports, slice.Annotations, slice.Labels = nil, nil, nil, nil
 	c.released[slice] = struct{}{}
 }

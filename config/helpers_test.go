@@ -167,12 +167,12 @@ func (r *recorder[T]) update(oldObj, newObj T) {
 }
 
 // metaOf is the object metadata of obj: what an update's old object is
-// checked on (an EndpointSlice's old object has no endpoints, see
-// EndpointSliceConfig).
+// checked on (an EndpointSlice's old object has no endpoints, labels or
+// annotations, see EndpointSliceConfig).
 func metaOf(obj metav1.Object) metav1.ObjectMeta {
 	return metav1.ObjectMeta{
 		Namespace: obj.GetNamespace(), Name: obj.GetName(), UID: obj.GetUID(),
-		ResourceVersion: obj.GetResourceVersion(), Labels: obj.GetLabels(), Annotations: obj.GetAnnotations(),
+		ResourceVersion: obj.GetResourceVersion(),
 	}
 }
 

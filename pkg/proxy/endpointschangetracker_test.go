@@ -62,6 +62,13 @@ func TestEndpointsChangeTracker(t *testing.T) {
 	otherSlice := escSlice("o1", "other", v4, []discovery.EndpointPort{escPort("dns", 53, v1.ProtocolUDP)}, escEndpoint("10.0.1.1"))
 	v6Slice := escSlice("v6", "svc", discovery.AddressTypeIPv6, dnsPorts, escEndpoint("fd00::1"))
 	v6SliceLess := escSlice("v6", "svc", discovery.AddressTypeIPv6, dnsPorts)
+	// released is a slice as the informer's cache keeps it once handlers
+	// had it (config.EndpointSliceConfig): no labels, endpoints or ports.
+	released := func(sl *discovery.EndpointSlice) *discovery.EndpointSlice {
+		out := sl.DeepCopy()
+		out.Labels, out.Endpoints, out.Ports = nil, nil, nil
+		return out
+	}
 
 	tests := []struct {
 		name          string
@@ -108,6 +115,30 @@ func TestEndpointsChangeTracker(t *testing.T) {
 			wantReturn:    []bool{true, false},
 			wantUpdated:   sets.New[types.NamespacedName](),
 			wantEndpoints: []string{"ns/svc:dns/UDP=10.0.0.3:53 ready", "ns/svc:http/TCP=10.0.0.3:80 ready"},
+		},
+		{
+			name:          "removing a released applied slice finds its service by name",
+			initial:       []*discovery.EndpointSlice{s1, s2},
+			steps:         []step{{released(s1), true}},
+			wantReturn:    []bool{true},
+			wantPending:   []string{"ns/svc"},
+			wantUpdated:   svcName,
+			wantDeleted:   []ServiceEndpoint{{Endpoint: "10.0.0.1:53", ServicePortName: dns}, {Endpoint: "10.0.0.2:53", ServicePortName: dns}},
+			wantEndpoints: []string{"ns/svc:dns/UDP=10.0.0.3:53 ready", "ns/svc:http/TCP=10.0.0.3:80 ready"},
+		},
+		{
+			name:        "removing a released pending slice finds its service by name",
+			steps:       []step{{s1, false}, {released(s1), true}},
+			wantReturn:  []bool{true, false},
+			wantUpdated: sets.New[types.NamespacedName](),
+		},
+		{
+			name:          "removing an unknown released slice is no change",
+			initial:       []*discovery.EndpointSlice{otherSlice},
+			steps:         []step{{released(s1), true}},
+			wantReturn:    []bool{false},
+			wantUpdated:   sets.New[types.NamespacedName](),
+			wantEndpoints: []string{"ns/other:dns/UDP=10.0.1.1:53 ready"},
 		},
 		{
 			name:        "removing an unknown slice is no change",

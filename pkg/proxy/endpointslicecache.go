@@ -135,6 +135,26 @@ func endpointSliceServiceName(slice *discovery.EndpointSlice) (types.NamespacedN
 	return types.NamespacedName{Namespace: slice.Namespace, Name: name}, nil
 }
 
+// serviceOfSlice finds the service that the slice namespace/name belongs
+// to, applied or pending, by looking at every service of the namespace: for
+// deletions only, which are rare.
+func (c *EndpointSliceCache) serviceOfSlice(namespace, name string) (types.NamespacedName, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for nn, tracker := range c.services {
+		if nn.Namespace != namespace {
+			continue
+		}
+		if _, ok := tracker.find(name); ok {
+			return nn, true
+		}
+		if _, ok := tracker.pending[name]; ok {
+			return nn, true
+		}
+	}
+	return types.NamespacedName{}, false
+}
+
 // updatePending records an update (or, with remove, a deletion) of slice. It
 // returns the slice's service, whether the pending state of that service
 // changed, and whether the service now has pending changes. Updates that
@@ -142,6 +162,15 @@ func endpointSliceServiceName(slice *discovery.EndpointSlice) (types.NamespacedN
 // removed between two Applies leaves nothing behind.
 func (c *EndpointSliceCache) updatePending(slice *discovery.EndpointSlice, remove bool) (nn types.NamespacedName, changed, pending bool, err error) {
 	nn, err = endpointSliceServiceName(slice)
+	if err != nil && remove && slice.Labels[discovery.LabelServiceName] == "" {
+		// A deletion the informer found on a relist carries its cached
+		// object, which has no labels (config.EndpointSliceConfig
+		// releases them): find the slice's service among those known.
+		var found bool
+		if nn, found = c.serviceOfSlice(slice.Namespace, slice.Name); found {
+			err = nil
+		}
+	}
 	if err != nil {
 		return nn, false, false, err
 	}
