@@ -194,7 +194,7 @@ func liveHeapMiB() float64 {
 // proxiertest.Workload(10,000, or the largest size of
 // KPROXY_BENCH_SERVICES) through the engine into the backend, over sinkNFT, with the
 // Service and EndpointSlice objects held as informers would hold them and
-// GOGC=50 as the command sets it; then of the periodic full resync that
+// GOGC=40 as the command sets it; then of the periodic full resync that
 // follows. Reported: the heap before the first sync (objects and engine
 // fed), its peak during the sync (sampled object bytes, garbage included)
 // and the peak live heap the collector marked, the live heap after it, the
@@ -207,7 +207,7 @@ func BenchmarkFullSyncMemory(b *testing.B) {
 		n = sizes[len(sizes)-1]
 	}
 	b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
-		defer debug.SetGCPercent(debug.SetGCPercent(50))
+		defer debug.SetGCPercent(debug.SetGCPercent(40))
 		env := pt.Env{NodeName: "node-a", NodeIPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")},
 			ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"), Family: v1.IPv4Protocol}
 		for b.Loop() {
