@@ -17,7 +17,12 @@ type ServiceHandler interface {
 	OnServiceSynced()
 }
 
-// EndpointSliceHandler is notified of EndpointSlice changes.
+// EndpointSliceHandler is notified of EndpointSlice changes. A handler
+// must not keep the slices it is given, only what it derives from them:
+// EndpointSliceConfig releases a slice's endpoints, ports, labels and
+// annotations once every handler has had it. So the old slice of an update,
+// and the slice of a deletion found on a relist, carry only the slice's
+// namespace, name and address type.
 type EndpointSliceHandler interface {
 	OnEndpointSliceAdd(endpointSlice *discovery.EndpointSlice)
 	OnEndpointSliceUpdate(oldEndpointSlice, newEndpointSlice *discovery.EndpointSlice)
