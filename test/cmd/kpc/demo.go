@@ -164,6 +164,13 @@ func demoTraffic(ctx context.Context, w io.Writer, title, netns, addr string, n 
 	seen := map[string]string{}
 	failed := 0
 	ns := &netnstest.NS{Name: netns}
+	// The API says the endpoints are ready; kproxy programs them within its
+	// minimum sync period. Wait for the first answer before counting.
+	if waited, err := waitAnswer(ctx, ns, addr, demoProgramWait); err != nil {
+		fmt.Fprintf(w, "      no answer within %s: %v\n", demoProgramWait, err)
+	} else if waited > 0 {
+		fmt.Fprintf(w, "      (first answer after %.1f s: kproxy's sync after the endpoints became ready)\n", waited.Seconds())
+	}
 	for i := 0; i < n; i++ {
 		rctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 		reply, err := netnstest.Request(rctx, ns, "tcp", addr)
@@ -190,6 +197,35 @@ func demoTraffic(ctx context.Context, w io.Writer, title, netns, addr string, n 
 		fmt.Fprintf(w, "      %-28s answered %2d times (it saw the client as %s)\n", p, answered[p], seen[p])
 	}
 	return failed == 0 && len(names) > 0
+}
+
+// demoProgramWait bounds how long the demo waits for an address to answer
+// at all (kproxy syncs within --iptables-min-sync-period of a change).
+const demoProgramWait = 30 * time.Second
+
+// waitAnswer sends requests to addr from ns until one is answered, for at
+// most limit; it returns how long that took (0 when the first one was).
+func waitAnswer(ctx context.Context, ns *netnstest.NS, addr string, limit time.Duration) (time.Duration, error) {
+	start := time.Now()
+	for attempt := 0; ; attempt++ {
+		rctx, cancel := context.WithTimeout(ctx, time.Second)
+		_, err := netnstest.Request(rctx, ns, "tcp", addr)
+		cancel()
+		if err == nil {
+			if attempt == 0 {
+				return 0, nil
+			}
+			return time.Since(start), nil
+		}
+		if time.Since(start) >= limit || ctx.Err() != nil {
+			return time.Since(start), err
+		}
+		select {
+		case <-ctx.Done():
+			return time.Since(start), ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
 }
 
 func demoObjects(ctx context.Context, client kubernetes.Interface, replicas int) error {
