@@ -2,7 +2,6 @@ package proxier_test
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"testing"
 	"time"
@@ -68,12 +67,7 @@ func BenchmarkEnginePartialSync(b *testing.B) {
 			i := 0
 			b.ReportAllocs()
 			for b.Loop() {
-				k := (i * 7919) % s.Services
-				old := sls[k]
-				sl := old.DeepCopy()
-				sl.Endpoints[0].Addresses = []string{fmt.Sprintf("10.250.%d.%d", i/250%250, i%250+1)}
-				e.OnEndpointSliceUpdate(old, sl)
-				sls[k] = sl
+				e.OnEndpointSliceUpdate(pt.ReplaceEndpoint(sls, i))
 				i++
 				if err := e.SyncRules(ctx); err != nil {
 					b.Fatal(err)

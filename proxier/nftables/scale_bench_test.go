@@ -690,12 +690,7 @@ func BenchmarkNFTablesChangeCPU(b *testing.B) {
 			self := rusage(b, syscall.RUSAGE_SELF)
 			i := 0
 			for b.Loop() {
-				k := (i * 7919) % s.Services
-				old := sls[k]
-				sl := old.DeepCopy()
-				sl.Endpoints[0].Addresses = []string{fmt.Sprintf("10.250.%d.%d", i/250%250, i%250+1)}
-				e.OnEndpointSliceUpdate(old, sl)
-				sls[k] = sl
+				e.OnEndpointSliceUpdate(pt.ReplaceEndpoint(sls, i))
 				i++
 				if err := e.SyncRules(context.Background()); err != nil {
 					b.Fatal(err)

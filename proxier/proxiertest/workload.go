@@ -130,3 +130,16 @@ func ShapedWorkload(s WorkloadShape) ([]*v1.Service, []*discovery.EndpointSlice)
 	}
 	return svcs, slices
 }
+
+// ReplaceEndpoint is the benchmarks' one-endpoint change number i: the
+// first endpoint of a slice picked from sls (spread over them) gets a new
+// address. It stores the new slice in sls and returns the old and new ones
+// for OnEndpointSliceUpdate.
+func ReplaceEndpoint(sls []*discovery.EndpointSlice, i int) (old, updated *discovery.EndpointSlice) {
+	k := (i * 7919) % len(sls)
+	old = sls[k]
+	updated = old.DeepCopy()
+	updated.Endpoints[0].Addresses = []string{fmt.Sprintf("10.250.%d.%d", i/250%250, i%250+1)}
+	sls[k] = updated
+	return old, updated
+}
