@@ -122,15 +122,21 @@ func (m *memNFT) apply(text string) error {
 }
 
 func (m *memNFT) ListAll(context.Context) (map[string][]string, error) {
-	if !m.exists {
+	return listAll(m.exists, m.chains, m.sets, m.isMap)
+}
+
+// listAll is ListAll of the in-memory tables (memNFT, sinkNFT): the names
+// of the table's chains, sets and maps.
+func listAll[V any](exists bool, chains map[string]bool, sets map[string]V, isMap map[string]bool) (map[string][]string, error) {
+	if !exists {
 		return nil, fmt.Errorf("no such table: %w", errNotFound)
 	}
 	out := map[string][]string{}
-	for c := range m.chains {
+	for c := range chains {
 		out["chain"] = append(out["chain"], c)
 	}
-	for s := range m.sets {
-		if m.isMap[s] {
+	for s := range sets {
+		if isMap[s] {
 			out["map"] = append(out["map"], s)
 		} else {
 			out["set"] = append(out["set"], s)

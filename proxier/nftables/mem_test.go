@@ -105,21 +105,7 @@ func (m *sinkNFT) Run(_ context.Context, tx *knftables.Transaction) error {
 }
 
 func (m *sinkNFT) ListAll(context.Context) (map[string][]string, error) {
-	if !m.exists {
-		return nil, fmt.Errorf("no such table: %w", errNotFound)
-	}
-	out := map[string][]string{}
-	for c := range m.chains {
-		out["chain"] = append(out["chain"], c)
-	}
-	for s := range m.sets {
-		if m.isMap[s] {
-			out["map"] = append(out["map"], s)
-		} else {
-			out["set"] = append(out["set"], s)
-		}
-	}
-	return out, nil
+	return listAll(m.exists, m.chains, m.sets, m.isMap)
 }
 
 func (m *sinkNFT) List(context.Context, string) ([]string, error) {
