@@ -182,18 +182,7 @@ func TestRealKernelCases(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			e := newEngine(t, env, b, clk)
-			for _, n := range c.Nodes {
-				e.OnNodeAdd(n)
-			}
-			for _, s := range c.Services {
-				e.OnServiceAdd(s)
-			}
-			for _, s := range c.Slices {
-				e.OnEndpointSliceAdd(s)
-			}
-			e.OnServiceSynced()
-			e.OnEndpointSlicesSynced()
+			e := pt.NewEngine(t, b, pt.EngineOptions{Env: env, Clock: clk, Nodes: c.Nodes, Services: c.Services, Slices: c.Slices})
 			if err := e.SyncRules(ctx); err != nil {
 				t.Fatalf("sync after a restart: %v", err)
 			}
