@@ -23,6 +23,7 @@ import (
 // the rules of every chain and the hook of base chains (for walkFirstPacket),
 // and checks nothing.
 type memNFT struct {
+	noRuleListing
 	exists bool
 	chains map[string]bool
 	sets   map[string]map[string]*knftables.Element
@@ -147,13 +148,18 @@ func listAll[V any](exists bool, chains map[string]bool, sets map[string]V, isMa
 
 var errNotFound = fmt.Errorf("no such file or directory")
 
-func (m *memNFT) List(context.Context, string) ([]string, error) {
+// noRuleListing is the part of knftables.Interface the in-memory tables
+// (memNFT, sinkNFT) do not keep: rules and counters are never listed by
+// the backend's syncs.
+type noRuleListing struct{}
+
+func (noRuleListing) List(context.Context, string) ([]string, error) {
 	return nil, fmt.Errorf("not supported")
 }
-func (m *memNFT) ListRules(context.Context, string) ([]*knftables.Rule, error) {
+func (noRuleListing) ListRules(context.Context, string) ([]*knftables.Rule, error) {
 	return nil, fmt.Errorf("not supported")
 }
-func (m *memNFT) ListCounters(context.Context) ([]*knftables.Counter, error) { return nil, nil }
+func (noRuleListing) ListCounters(context.Context) ([]*knftables.Counter, error) { return nil, nil }
 
 func (m *memNFT) ListElements(_ context.Context, _ string, name string) ([]*knftables.Element, error) {
 	var out []*knftables.Element

@@ -30,6 +30,7 @@ import (
 // leaves is about what the real interface leaves (the kernel holds the
 // elements, not kproxy).
 type sinkNFT struct {
+	noRuleListing
 	exists    bool
 	chains    map[string]bool
 	sets      map[string]bool
@@ -107,14 +108,6 @@ func (m *sinkNFT) Run(_ context.Context, tx *knftables.Transaction) error {
 func (m *sinkNFT) ListAll(context.Context) (map[string][]string, error) {
 	return listAll(m.exists, m.chains, m.sets, m.isMap)
 }
-
-func (m *sinkNFT) List(context.Context, string) ([]string, error) {
-	return nil, fmt.Errorf("not supported")
-}
-func (m *sinkNFT) ListRules(context.Context, string) ([]*knftables.Rule, error) {
-	return nil, fmt.Errorf("not supported")
-}
-func (m *sinkNFT) ListCounters(context.Context) ([]*knftables.Counter, error) { return nil, nil }
 
 func (m *sinkNFT) ListElements(_ context.Context, _ string, name string) ([]*knftables.Element, error) {
 	if name != setSyncState {
