@@ -49,18 +49,38 @@ func newNSNFT(ns *netnstest.NS, family v1.IPFamily) (*nsNFT, error) {
 		n.real, err = NewInterface(family)
 		return err
 	})
+	if e, ok := n.real.(*execNFT); ok {
+		// Only nft starts in the namespace (a child inherits its
+		// parent thread's); the rest runs as in the agent, whose
+		// threads are all in the node's.
+		e.start = func(cmd *exec.Cmd) error { return ns.Do(cmd.Start) }
+	}
 	return n, err
+}
+
+// startsInNS says whether the real interface starts nft in the namespace
+// itself, so that its Run and Check need no ns.Do (which would run them on
+// a locked thread, costing the process CPU the agent does not spend).
+func (n *nsNFT) startsInNS() bool {
+	e, ok := n.real.(*execNFT)
+	return ok && e.start != nil
 }
 
 func (n *nsNFT) NewTransaction() *knftables.Transaction { return n.real.NewTransaction() }
 
 func (n *nsNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
 	defer n.timed(fmt.Sprintf("Run (%d operations)", tx.NumOperations()))()
+	if n.startsInNS() {
+		return n.real.Run(ctx, tx)
+	}
 	return n.ns.Do(func() error { return n.real.Run(ctx, tx) })
 }
 
 func (n *nsNFT) Check(ctx context.Context, tx *knftables.Transaction) error {
 	defer n.timed("Check")()
+	if n.startsInNS() {
+		return n.real.Check(ctx, tx)
+	}
 	return n.ns.Do(func() error { return n.real.Check(ctx, tx) })
 }
 
