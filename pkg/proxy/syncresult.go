@@ -22,6 +22,14 @@ type BackendResult struct {
 	ChainsWritten, ChainsDeleted, KernelWrites int
 	// KernelTime is the time spent in those transactions.
 	KernelTime time.Duration
+	// SetAside are the service ports whose rules the kernel refused in
+	// this sync, each with the refusal. The backend programmed everything
+	// else in the same sync and left each of these with its last good
+	// rules (none if it never had any; docs/design.md, "Set-aside
+	// services"). It retries them when they change and on full syncs; the
+	// engine reports them (Warning Event, gauge, log). A sync whose only
+	// failures are set-aside service ports returns a nil error.
+	SetAside map[ServicePortName]error
 }
 
 // SyncResult describes one sync attempt, for metrics and health.
