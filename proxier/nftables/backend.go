@@ -4,7 +4,7 @@
 // sigs.k8s.io/knftables, one atomic transaction per sync (a full sync
 // adding many endpoint slots writes those of destinations not yet
 // dispatched ahead, in chunks no packet can reach until the main
-// transaction: see endpointChunk).
+// transaction: see preWriter).
 //
 // # Layout
 //
@@ -150,6 +150,9 @@ type Options struct {
 	// table is intact; default DefaultCanaryInterval (the command sets the
 	// sync period).
 	CanaryInterval time.Duration
+	// EndpointChunk bounds the endpoint slots of each transaction a full
+	// sync writes ahead of its main one; default DefaultEndpointChunk.
+	EndpointChunk int
 }
 
 // SyncStats describes the last successful sync, for logs, metrics and
@@ -363,9 +366,12 @@ func (b *Backend) nodePortIPs() (map[netip.Addr]bool, error) {
 	return out, nil
 }
 
-// endpointChunk bounds the endpoint slots of each transaction that adds
-// them ahead of a full sync's main one.
-const endpointChunk = 16384
+// DefaultEndpointChunk bounds the endpoint slots of each transaction that
+// adds them ahead of a full sync's main one. nft's time does not depend on
+// it (its CPU at 10,000 services x 10 endpoints: the same within noise for
+// chunks of 4,096, 16,384 or all of the slots); kproxy holds at most two
+// chunks at once (preWriter).
+const DefaultEndpointChunk = 16384
 
 // plan is one transaction in the making, in the order it must run.
 type plan struct {
@@ -497,17 +503,32 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 	}
 	var p *plan
 	var next *tableState
+	var pw *preWriter
 	if mode == modePartial {
 		p, err = b.planPartial(l, state, npIPs)
 		next = b.state
 	} else {
+		var names *kernelState
+		if mode == modeReconcile && b.state == nil {
+			// The first sync since kproxy started: a table that is not
+			// there yet gets its endpoint slots as the services render
+			// (preWriter.offer), while nft writes them.
+			if names, err = b.readNames(ctx); err != nil {
+				names = nil
+			} else if !names.exists {
+				pw = newPreWriter(ctx, b, freshHeader(l))
+			}
+		}
 		// A full sync renders everything again: the old state goes
 		// first, so that the two are never held together (a failed
 		// sync drops it anyway), but for its endpoint slots, which the
 		// new renders keep.
 		prev := b.state.slotsOnly()
 		b.state = nil
-		next, p, err = b.planFull(ctx, l, state, npIPs, mode, st, prev)
+		next, p, err = b.planFull(ctx, fullInput{l: l, state: state, npIPs: npIPs, mode: mode, prev: prev, names: names, pre: pw}, st)
+	}
+	if pw != nil {
+		defer pw.stop()
 	}
 	if err != nil {
 		return err
@@ -517,43 +538,38 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 		isMap[s.name] = s.isMap
 	}
 	// Endpoint slots of destinations the table does not dispatch to yet
-	// go first, in transactions of at most endpointChunk elements: nothing
-	// leads to them until the main transaction adds their dispatch
-	// elements, so traffic still sees one change, and no transaction (nor
-	// its text) holds them all. nft's time does not depend on the chunk
-	// size (its CPU at 10,000 services x 10 endpoints: the same within
-	// noise for chunks of 4,096, 16,384 or all of the slots).
-	for len(p.preEndpoints) > 0 {
-		tx := b.nft.NewTransaction()
-		if p.addTable {
-			tx.Add(&knftables.Table{Comment: knftables.PtrTo("rules for kproxy")})
+	// go first, in transactions of their own (preWriter): nothing leads to
+	// them until the main transaction adds their dispatch elements, so
+	// traffic still sees one change, and no transaction (nor its text)
+	// holds them all.
+	if len(p.preEndpoints) > 0 {
+		if pw == nil {
+			var header []knftables.Object
+			if p.addTable {
+				header = append(header, &knftables.Table{Comment: knftables.PtrTo("rules for kproxy")})
+			}
+			for _, sd := range p.addSets {
+				if sd.big {
+					header = append(header, sd.object())
+				}
+			}
+			pw = newPreWriter(ctx, b, header)
+			defer pw.stop()
 		}
-		for _, sd := range p.addSets {
-			if sd.big {
-				tx.Add(sd.object())
+		for _, dr := range p.preEndpoints {
+			if err := pw.add(dr); err != nil {
+				return fmt.Errorf("nftables %s sync: %w", st.Mode, err)
 			}
 		}
-		var strs stringCache
-		n := 0
-		for len(p.preEndpoints) > 0 && n < endpointChunk {
-			objs := p.preEndpoints[0].endpointObjects(&strs)
-			p.preEndpoints = p.preEndpoints[1:]
-			for i := range objs {
-				tx.Add(&objs[i])
-			}
-			n += len(objs)
-		}
-		st.ElementsAdded += n
-		st.Operations += tx.NumOperations()
-		start := b.clock.Now()
-		err := b.nft.Run(ctx, tx)
-		st.KernelTime += b.clock.Since(start)
-		st.Transactions++
-		if err != nil {
-			return fmt.Errorf("nftables %s sync, endpoint slots: %w", st.Mode, err)
+		p.preEndpoints = nil
+	}
+	// The main transaction is built while nft writes the last slots.
+	tx := p.transaction(b.nft, isMap, st)
+	if pw != nil {
+		if err := pw.wait(st); err != nil {
+			return fmt.Errorf("nftables %s sync: %w", st.Mode, err)
 		}
 	}
-	tx := p.transaction(b.nft, isMap, st)
 	st.Operations += tx.NumOperations()
 	if tx.NumOperations() > 0 {
 		start := b.clock.Now()
@@ -569,6 +585,25 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 	nat, filter := l.staticRules()
 	st.NATRules, st.FilterRules = nat+next.rules["nat"], filter+next.rules["filter"]
 	return nil
+}
+
+func (b *Backend) endpointChunk() int {
+	if b.opts.EndpointChunk > 0 {
+		return b.opts.EndpointChunk
+	}
+	return DefaultEndpointChunk
+}
+
+// freshHeader are the objects a fresh table's first transactions add: the
+// table and its endpoints maps.
+func freshHeader(l *layout) []knftables.Object {
+	header := []knftables.Object{&knftables.Table{Comment: knftables.PtrTo("rules for kproxy")}}
+	for _, sd := range l.sets() {
+		if sd.big {
+			header = append(header, sd.object())
+		}
+	}
+	return header
 }
 
 // planPartial updates b.state with the service ports of state.Changed and
@@ -725,10 +760,16 @@ func newKernelState() *kernelState {
 // still has its rules. It never lists rules: nft reads every set element of
 // the table to do so. An error means the table cannot be trusted (or read):
 // the caller rebuilds it.
-func (b *Backend) readKernel(ctx context.Context, l *layout, chains []*chainDef, want *tableState) (*kernelState, error) {
-	k, err := b.readNames(ctx)
-	if err != nil || !k.exists {
-		return k, err
+func (b *Backend) readKernel(ctx context.Context, l *layout, chains []*chainDef, want *tableState, names *kernelState) (*kernelState, error) {
+	k := names
+	if k == nil {
+		var err error
+		if k, err = b.readNames(ctx); err != nil {
+			return nil, err
+		}
+	}
+	if !k.exists {
+		return k, nil
 	}
 	list := func(sd *setDef, each func(e elem) error) error {
 		kind := "set"
@@ -874,26 +915,54 @@ func parseDispatchKey(nodePort bool, key []string) (destKey, bool) {
 
 // planFull renders every service port and plans the transaction that makes
 // the table match: a reconcile against what readKernel finds, or a rebuild.
-func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeState, npIPs map[netip.Addr]bool, mode string, st *SyncStats, prev slotsOf) (*tableState, *plan, error) {
+// fullInput is what planFull plans from.
+type fullInput struct {
+	l     *layout
+	state *proxy.NodeState
+	npIPs map[netip.Addr]bool
+	mode  string
+	// prev are the endpoint slots of the last state.
+	prev slotsOf
+	// names, when set, is the table's listing of names (readNames), read
+	// already.
+	names *kernelState
+	// pre, when set, writes the endpoint slots of every destination as
+	// it renders: the table did not exist (names).
+	pre *preWriter
+}
+
+func (b *Backend) planFull(ctx context.Context, in fullInput, st *SyncStats) (*tableState, *plan, error) {
 	logger := klog.FromContext(ctx)
+	l, state, mode := in.l, in.state, in.mode
 	next := newTableState()
 	all := make(map[proxy.ServicePortName]*renderedService, len(state.Services))
 	for name, svc := range state.Services {
-		rs, err := l.render(svc, prev)
+		rs, err := l.render(svc, in.prev)
 		if err != nil {
 			return nil, nil, err
 		}
 		all[name] = rs
+		if in.pre != nil {
+			for _, dr := range rs.dests {
+				if err := in.pre.offer(dr); err != nil {
+					return nil, nil, fmt.Errorf("nftables %s sync: %w", st.Mode, err)
+				}
+			}
+		}
 	}
 	next.update(all, l)
-	next.setNodePortIPs(npIPs)
+	next.setNodePortIPs(in.npIPs)
 
 	start := b.clock.Now()
 	var k *kernelState
 	var err error
 	chains := append(l.staticChains(), next.sortedChains()...)
-	if mode == modeReconcile {
-		k, err = b.readKernel(ctx, l, chains, next)
+	switch {
+	case in.pre != nil:
+		// The table was not there (in.names): only what pre wrote is.
+		k = newKernelState()
+	case mode == modeReconcile:
+		k, err = b.readKernel(ctx, l, chains, next, in.names)
 		if err != nil {
 			logger.Info("Cannot reconcile kproxy's nftables table; rebuilding it", "family", b.opts.Family, "err", err)
 			mode = modeRebuild
@@ -954,6 +1023,10 @@ func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeStat
 	if !rebuild {
 		next.adoptSlots(k.dests)
 	}
+	if in.pre != nil && !in.pre.unstarted() {
+		// What pre wrote, or writes, is the table's.
+		k.dests = in.pre.emitted
+	}
 	// Small maps and sets: against what was listed (nothing on a rebuild,
 	// whose flushes empty them).
 	var kernelSmall []elem
@@ -1003,7 +1076,7 @@ func (b *Backend) planFull(ctx context.Context, l *layout, state *proxy.NodeStat
 	for _, dr := range p.preEndpoints {
 		pre += len(dr.eps[0]) + len(dr.eps[1])
 	}
-	if pre <= endpointChunk {
+	if pre <= b.endpointChunk() {
 		p.addEndpoints = append(p.preEndpoints, p.addEndpoints...)
 		p.preEndpoints = nil
 	}

@@ -82,6 +82,9 @@ func newFakeBackend(t testing.TB, env pt.Env) (*Backend, *knftables.Fake) {
 		Family:            env.Family,
 		NodePortAddresses: env.NodePortAddresses,
 		LocalAddresses:    func() ([]netip.Addr, error) { return local, nil },
+		// Small chunks: full syncs write endpoint slots ahead in several
+		// transactions (preWriter), as at scale.
+		EndpointChunk: 4,
 	})
 	if err != nil {
 		t.Fatalf("New: %v", err)

@@ -175,8 +175,10 @@ func TestRealKernelCases(t *testing.T) {
 					t.Fatal(err)
 				}
 				tee = &teeNFT{nsNFT: real, fake: &strictNFT{Fake: knftables.NewFake(fakeFamily(e.Family), TableName)}}
+				// Chunks of 2 slots: the first sync writes them ahead
+				// (preWriter), as at scale.
 				b, err := New(Options{NFTables: tee, Family: e.Family, NodePortAddresses: e.NodePortAddresses,
-					LocalAddresses: func() ([]netip.Addr, error) { return e.NodeIPs, nil }})
+					LocalAddresses: func() ([]netip.Addr, error) { return e.NodeIPs, nil }, EndpointChunk: 2})
 				if err != nil {
 					t.Fatal(err)
 				}

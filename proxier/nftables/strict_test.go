@@ -25,7 +25,11 @@ import (
 type strictNFT struct {
 	*knftables.Fake
 	failRuns int
-	runs     int
+	// failAt fails the failAt-th run (1-based; 0: none), failIf a run
+	// it returns true for.
+	failAt int
+	failIf func(tx *knftables.Transaction) bool
+	runs   int
 }
 
 var elemLine = regexp.MustCompile(`^(add|delete) element \S+ \S+ (\S+) \{ (.*) \}$`)
@@ -34,6 +38,9 @@ var flushLine = regexp.MustCompile(`^(flush|delete) (map|set) \S+ \S+ (\S+)`)
 
 func (s *strictNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
 	s.runs++
+	if s.runs == s.failAt || (s.failIf != nil && s.failIf(tx)) {
+		return errors.New("injected transaction failure")
+	}
 	if s.failRuns > 0 {
 		s.failRuns--
 		return errors.New("injected transaction failure")
