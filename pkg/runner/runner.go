@@ -284,9 +284,8 @@ func (r *BoundedFrequencyRunner) runOnce(ctx context.Context, logger klog.Logger
 
 	start := r.clock.Now()
 	logger.V(4).Info("Running", "reason", reason)
-	err := r.call(ctx)
+	panicked, err := r.call(ctx)
 	end := r.clock.Now()
-	var panicked *PanicError
 	switch {
 	case err != nil && ctx.Err() != nil:
 		logger.V(2).Info("Run failed while stopping; not retrying", "err", err)
@@ -294,7 +293,7 @@ func (r *BoundedFrequencyRunner) runOnce(ctx context.Context, logger klog.Logger
 		r.failures++
 		wait := r.retryWait(r.failures)
 		r.scheduleRetry(end.Add(wait))
-		if errors.As(err, &panicked) {
+		if panicked != nil {
 			logger.Error(err, "Run panicked; will retry", "reason", reason, "consecutiveFailures", r.failures, "retryAfter", wait, "stack", string(panicked.Stack))
 		} else {
 			logger.Error(err, "Run failed; will retry", "reason", reason, "consecutiveFailures", r.failures, "retryAfter", wait)
@@ -309,14 +308,17 @@ func (r *BoundedFrequencyRunner) runOnce(ctx context.Context, logger klog.Logger
 	return end
 }
 
-// call runs Fn, turning a panic into a *PanicError.
-func (r *BoundedFrequencyRunner) call(ctx context.Context) (err error) {
+// call runs Fn, turning a panic into a *PanicError, returned both as
+// panicked and as err (an error Fn returns is never taken for a panic of its own,
+// even a *PanicError: Fn has then logged it).
+func (r *BoundedFrequencyRunner) call(ctx context.Context) (panicked *PanicError, err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			err = NewPanicError(p)
+			panicked = NewPanicError(p)
+			err = panicked
 		}
 	}()
-	return r.fn(ctx)
+	return nil, r.fn(ctx)
 }
 
 // retryWait is the wait before retrying after the given number of
