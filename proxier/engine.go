@@ -14,6 +14,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
+	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
@@ -82,7 +83,26 @@ type EngineOptions struct {
 	// On a dual-stack node give it to one engine only, or every event is
 	// sent twice.
 	EventRecorder record.EventRecorder
+	// FamilyEventRecorder, when set, gets the Warning events about this
+	// family's state, which only this engine sees: service ports the
+	// kernel refused (set aside, engine_setaside.go) and the ports and
+	// endpoints skipped from this family's EndpointSlices. Give it to every
+	// engine; nil uses EventRecorder.
+	FamilyEventRecorder record.EventRecorder
+	// ServiceLister, when set, finds the Service a set-aside event is
+	// about, so that the event carries its UID; without it the event
+	// refers to the Service by name.
+	ServiceLister corelisters.ServiceLister
+	// OnLoopRan, when set, is called when SyncLoop starts and after every
+	// run of it, whatever the run did (synced, failed, panicked, or waited
+	// for the caches): proxy health tells a stuck sync from an idle one by
+	// it (docs/design.md, "Sync loop under failure").
+	OnLoopRan func(time.Time)
 }
+
+// retryJitter spreads the sync loop's retries by +-20%
+// (runner.Options.RetryJitter).
+const retryJitter = 0.2
 
 // Engine is the backend-independent part of a proxier for one IP family: it
 // folds informer events into the model and syncs the backend from a
@@ -129,9 +149,13 @@ type Engine struct {
 	// derived from its states (engine_index.go).
 	index serviceIndex
 	// staleConntrack accumulates what applied changes made stale until a
-	// sync succeeds; only used with opts.Conntrack.
-	staleConntrack conntrack.StaleEntries
-	decisionOpts   proxy.DecisionOptions
+	// sync succeeds, bounded (engine_conntrack.go); only used with
+	// opts.Conntrack.
+	staleConntrack staleConntrack
+	// setAside are the service ports the backend refused and has not
+	// programmed since, with the refusal (engine_setaside.go).
+	setAside     map[proxy.ServicePortName]error
+	decisionOpts proxy.DecisionOptions
 }
 
 var _ Proxier = (*Engine)(nil)
@@ -185,6 +209,7 @@ func NewEngine(opts EngineOptions) (*Engine, error) {
 		endpointsMap:     proxy.EndpointsMap{},
 		states:           map[proxy.ServicePortName]*proxy.ServiceState{},
 		index:            newServiceIndex(),
+		staleConntrack:   newStaleConntrack(maxStaleConntrackEntries),
 		decisionOpts:     proxy.DecisionOptions{MasqueradeAll: opts.MasqueradeAll, ClusterCIDR: opts.ClusterCIDR, NodeIP: opts.NodeIP},
 	}
 	r, err := runner.NewBoundedFrequencyRunner(runner.Options{
@@ -192,6 +217,7 @@ func NewEngine(opts EngineOptions) (*Engine, error) {
 		Fn:            e.syncOnce,
 		MinInterval:   opts.MinSyncPeriod,
 		RetryInterval: opts.RetryPeriod,
+		RetryJitter:   retryJitter,
 		MaxInterval:   opts.SyncPeriod,
 		Clock:         opts.Clock,
 	})
@@ -216,7 +242,16 @@ func (e *Engine) requestSync() {
 func (e *Engine) Sync() { e.runner.Run() }
 
 // SyncLoop implements Proxier.
-func (e *Engine) SyncLoop(ctx context.Context) { e.runner.Loop(ctx) }
+func (e *Engine) SyncLoop(ctx context.Context) {
+	e.loopRan()
+	e.runner.Loop(ctx)
+}
+
+func (e *Engine) loopRan() {
+	if e.opts.OnLoopRan != nil {
+		e.opts.OnLoopRan(e.clock.Now())
+	}
+}
 
 // PendingChanges names ("namespace/name") the services with Service,
 // respectively EndpointSlice, changes that no sync has applied yet.
@@ -247,7 +282,9 @@ func (e *Engine) OnServiceSynced() {
 
 // OnEndpointSliceAdd implements config.EndpointSliceHandler.
 func (e *Engine) OnEndpointSliceAdd(slice *discovery.EndpointSlice) {
-	if e.endpointsChanges.EndpointSliceUpdate(slice, false) {
+	pending, problems := e.endpointsChanges.UpdateEndpointSlice(slice, false)
+	e.reportEndpointSliceProblems(slice, problems)
+	if pending {
 		e.requestSync()
 	}
 }
@@ -343,22 +380,55 @@ func (e *Engine) markTopologyChanged() {
 // SyncRules runs one sync now, outside the runner; for tests and tools.
 func (e *Engine) SyncRules(ctx context.Context) error { return e.syncOnce(ctx) }
 
-// syncOnce is the runner's function: one sync of the backend.
+// syncOnce is the runner's function: one sync of the backend, reported
+// through OnSync. A panic in the sync is recovered (syncLocked): it fails
+// the sync and makes the next one full.
 func (e *Engine) syncOnce(ctx context.Context) error {
+	defer e.loopRan()
 	ctx = klog.NewContext(ctx, e.logger)
+	result, ran := e.syncLocked(ctx)
+	if !ran {
+		return nil
+	}
+	if e.opts.OnSync != nil {
+		e.opts.OnSync(result)
+	}
+	return result.Err
+}
+
+// syncLocked runs one sync under e.mu and returns its result; ran is false
+// when the caches are not synced yet and nothing ran. A panic anywhere in
+// the sync (the trackers, buildState, the backend, the conntrack cleanup)
+// is recovered here, with e.mu released by the deferred Unlock: it is
+// logged with its stack and turned into a failed result with Panicked set,
+// and the next sync is full, since the panic may have left any state half
+// updated (docs/design.md, "Sync loop under failure").
+func (e *Engine) syncLocked(ctx context.Context) (result SyncResult, ran bool) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if !e.cachesSynced() {
 		e.logger.V(2).Info("Not syncing until Services, EndpointSlices and Nodes (when awaited) are synced")
-		return nil
+		return SyncResult{}, false
 	}
 	start := e.clock.Now()
+	full := true
+	defer func() {
+		p := recover()
+		if p == nil {
+			return
+		}
+		err := runner.NewPanicError(p)
+		e.needFullSync = true
+		e.logger.Error(err, "Sync panicked; the next sync will be full", "full", full, "stack", string(err.Stack))
+		result = SyncResult{Family: e.opts.Family, Full: full, Start: start, Duration: e.clock.Since(start), Err: err, Panicked: true}
+		ran = true
+	}()
 	svcResult := e.serviceChanges.Apply(e.svcPortMap)
 	epResult := e.endpointsChanges.Apply(e.endpointsMap)
 	e.noteStaleConntrack(svcResult, epResult)
 	e.applyServicePorts(svcResult)
 
-	full := e.needFullSync || e.index.drifted || start.Sub(e.lastFullSync) >= e.opts.FullSyncPeriod
+	full = e.needFullSync || e.index.drifted || start.Sub(e.lastFullSync) >= e.opts.FullSyncPeriod
 	changed := svcResult.UpdatedServices.Union(epResult.UpdatedServices)
 	// The flag is cleared before buildState snapshots the labels: a change
 	// landing in between is either in the snapshot or sets the flag again.
@@ -369,7 +439,7 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 	}
 	state := e.buildState(changed, full)
 	backendResult, err := e.backend.Sync(ctx, state, full)
-	result := SyncResult{
+	result = SyncResult{
 		Family: e.opts.Family, Full: full, Start: start, Duration: e.clock.Since(start), Err: err,
 		Services: len(state.Services), DeletedUDPClusterIPs: svcResult.DeletedUDPClusterIPs,
 		DeletedUDPEndpoints: epResult.DeletedUDPEndpoints,
@@ -388,6 +458,8 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 		result.TriggerTimes = append(result.TriggerTimes, times...)
 	}
 	if err != nil {
+		// Only a real failure forces a full sync: service ports the
+		// backend set aside come with a nil error and do not.
 		e.needFullSync = true
 		e.logger.Error(err, "Sync failed; the next sync will be full", "full", full)
 	} else {
@@ -395,13 +467,12 @@ func (e *Engine) syncOnce(ctx context.Context) error {
 		if full {
 			e.lastFullSync = start
 		}
+		result.SetAside = e.noteSetAside(backendResult.SetAside, changed, full)
 		e.cleanStaleConntrack(ctx)
-		e.logger.V(2).Info("Synced", "full", full, "servicePorts", len(state.Services), "changedServices", changed.Len(), "duration", result.Duration)
+		e.logger.V(2).Info("Synced", "full", full, "servicePorts", len(state.Services), "changedServices", changed.Len(),
+			"setAside", len(result.SetAside), "duration", result.Duration)
 	}
-	if e.opts.OnSync != nil {
-		e.opts.OnSync(result)
-	}
-	return err
+	return result, true
 }
 
 // buildState recomputes the ServiceState of every changed service (all of

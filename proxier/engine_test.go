@@ -65,6 +65,13 @@ type fakeBackend struct {
 	cleaned bool
 	// synced gets a token after every successful sync.
 	synced chan struct{}
+	// refuse names service ports ("ns/name:port") the kernel refuses,
+	// with the refusal: a sync that would write them sets them aside
+	// (BackendResult.SetAside) and leaves their last good rules, as the
+	// Backend contract says; everything else is programmed.
+	refuse map[string]error
+	// panicNext, when set, is what the next Sync panics with.
+	panicNext any
 }
 
 var _ proxier.Backend = (*fakeBackend)(nil)
@@ -100,9 +107,26 @@ func (b *fakeBackend) Sync(ctx context.Context, state *proxy.NodeState, full boo
 
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if p := b.panicNext; p != nil {
+		b.panicNext = nil
+		panic(p)
+	}
 	if err := b.failNext; err != nil {
 		b.failNext = nil
 		return proxy.BackendResult{}, err
+	}
+	var result proxy.BackendResult
+	// refused reports whether the kernel refuses the port called name,
+	// noting it in the result.
+	refused := func(name proxy.ServicePortName) bool {
+		err, ok := b.refuse[name.String()]
+		if ok {
+			if result.SetAside == nil {
+				result.SetAside = map[proxy.ServicePortName]error{}
+			}
+			result.SetAside[name] = err
+		}
+		return ok
 	}
 	given := &nodeState{Family: state.Family, Full: full, Services: map[string]svcState{}}
 	for name := range state.Changed {
@@ -116,18 +140,18 @@ func (b *fakeBackend) Sync(ctx context.Context, state *proxy.NodeState, full boo
 			HasAny:  st.HasAnyEndpoints,
 		}
 	}
-	if full {
-		b.rules = maps.Clone(given.Services)
-	} else {
-		for name := range b.rules {
-			if state.Changed.Has(namespacedNameOf(name)) {
-				delete(b.rules, name)
-			}
+	rewrite := func(name string) bool { return full || state.Changed.Has(namespacedNameOf(name)) }
+	for name := range b.rules {
+		// A refused port keeps its last good rules; a deleted one goes.
+		_, refusedNow := b.refuse[name]
+		_, inState := given.Services[name]
+		if rewrite(name) && !(refusedNow && inState) {
+			delete(b.rules, name)
 		}
-		for name := range state.Services {
-			if state.Changed.Has(name.NamespacedName) {
-				b.rules[name.String()] = given.Services[name.String()]
-			}
+	}
+	for name := range state.Services {
+		if rewrite(name.String()) && !refused(name) {
+			b.rules[name.String()] = given.Services[name.String()]
 		}
 	}
 	b.given = given
@@ -135,7 +159,7 @@ func (b *fakeBackend) Sync(ctx context.Context, state *proxy.NodeState, full boo
 	case b.synced <- struct{}{}:
 	default:
 	}
-	return proxy.BackendResult{}, nil
+	return result, nil
 }
 
 // namespacedNameOf parses the "namespace/name" part of a service port name.

@@ -2,6 +2,7 @@ package proxier
 
 import (
 	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/klog/v2"
 
 	"github.com/kproxy/kproxy/pkg/proxy"
@@ -20,6 +21,13 @@ const (
 	// kproxy, like kube-proxy, does not apply (the legacy
 	// load-balancer-source-ranges one).
 	EventReasonIgnoredAnnotation = proxy.ServiceProblemIgnoredAnnotation
+	// EventReasonInvalidEndpoint: an EndpointSlice endpoint's address is
+	// not a usable IP address of the slice's family; the endpoint is
+	// skipped.
+	EventReasonInvalidEndpoint = proxy.EndpointSliceProblemInvalidEndpoint
+	// EventReasonInvalidEndpointPort: an EndpointSlice port's number or
+	// protocol cannot be programmed; the port is skipped.
+	EventReasonInvalidEndpointPort = proxy.EndpointSliceProblemInvalidPort
 )
 
 // reportServiceProblems sends a Warning event on service for each problem
@@ -32,5 +40,19 @@ func (e *Engine) reportServiceProblems(service *v1.Service, problems []proxy.Ser
 	for _, p := range problems {
 		e.logger.V(2).Info("Reporting a service problem", "service", klog.KObj(service), "reason", p.Reason, "message", p.Message)
 		e.opts.EventRecorder.Event(service, v1.EventTypeWarning, p.Reason, p.Message)
+	}
+}
+
+// reportEndpointSliceProblems sends a Warning event on slice for each
+// problem its update brought (once per update that brings it; the tracker
+// has logged it). Slices are per family, so these go to the family's
+// recorder.
+func (e *Engine) reportEndpointSliceProblems(slice *discovery.EndpointSlice, problems []proxy.EndpointSliceProblem) {
+	recorder := e.familyEventRecorder()
+	if recorder == nil || slice == nil {
+		return
+	}
+	for _, p := range problems {
+		recorder.Event(slice, v1.EventTypeWarning, p.Reason, p.Message)
 	}
 }

@@ -57,6 +57,8 @@ type ProxyHealthOptions struct {
 	BindAddress string
 	// HealthTimeout is how long a queued update may wait for a successful
 	// sync before the proxy is unhealthy; kube-proxy uses 2 x syncPeriod.
+	// It also bounds how long a sync loop may go without finishing a run
+	// (SyncLoopRan) before it counts as stuck.
 	HealthTimeout time.Duration
 	// NodeName is this node: only its Node events count.
 	NodeName string
@@ -71,6 +73,9 @@ type familyState struct {
 	// oldestQueued is when the oldest update not yet applied was queued;
 	// zero when none is pending.
 	oldestQueued time.Time
+	// loopRan is when the sync loop last started or finished a run; zero
+	// until the loop reports (SyncLoopRan).
+	loopRan time.Time
 }
 
 // ProxyHealthServer tracks the proxiers' progress and this node's
@@ -140,8 +145,21 @@ func (hs *ProxyHealthServer) Updated(family v1.IPFamily, syncStart time.Time) {
 	}
 }
 
+// SyncLoopRan records that the sync loop of family is alive: it started,
+// or one of its runs ended, whatever the outcome (a sync, a failure, or
+// nothing to do yet). A loop that has reported once and then goes
+// HealthTimeout without reporting is stuck, say in a hung kernel call, and
+// its family is unhealthy even with no update queued: the loop runs at
+// least once per sync period when idle.
+func (hs *ProxyHealthServer) SyncLoopRan(family v1.IPFamily) {
+	hs.mu.Lock()
+	defer hs.mu.Unlock()
+	hs.family(family).loopRan = hs.clock.Now()
+}
+
 // Health reports the proxiers' health, ignoring the node's eligibility: a
-// family is unhealthy when a change has waited HealthTimeout or longer.
+// family is unhealthy when a change has waited HealthTimeout or longer, or
+// when its sync loop has not finished a run for HealthTimeout or longer.
 func (hs *ProxyHealthServer) Health() ProxyHealth {
 	hs.mu.Lock()
 	defer hs.mu.Unlock()
@@ -149,6 +167,9 @@ func (hs *ProxyHealthServer) Health() ProxyHealth {
 	h := ProxyHealth{CurrentTime: now, Healthy: true, Status: map[v1.IPFamily]ProxierHealth{}}
 	for f, st := range hs.families {
 		healthy := st.oldestQueued.IsZero() || now.Sub(st.oldestQueued) < hs.opts.HealthTimeout
+		if !st.loopRan.IsZero() && now.Sub(st.loopRan) >= hs.opts.HealthTimeout {
+			healthy = false
+		}
 		h.Status[f] = ProxierHealth{LastUpdated: st.lastUpdated, Healthy: healthy}
 		h.Healthy = h.Healthy && healthy
 		if st.lastUpdated.After(h.LastUpdated) {

@@ -193,6 +193,53 @@ func TestProxyHealth(t *testing.T) {
 			want: want{ok, ok}, wantFamilies: map[v1.IPFamily]bool{v4: true, v6: true}, wantEligible: true,
 		},
 		{
+			name: "sync loop idle but running: healthy",
+			steps: func(env *healthEnv) {
+				env.hs.SyncLoopRan(v4)
+				for range 10 {
+					env.clock.Step(timeout / 2)
+					env.hs.SyncLoopRan(v4)
+				}
+			},
+			want: want{ok, ok}, wantFamilies: map[v1.IPFamily]bool{v4: true}, wantEligible: true,
+		},
+		{
+			name: "sync loop stuck just under the timeout: healthy",
+			steps: func(env *healthEnv) {
+				env.hs.SyncLoopRan(v4)
+				env.clock.Step(timeout - time.Second)
+			},
+			want: want{ok, ok}, wantFamilies: map[v1.IPFamily]bool{v4: true}, wantEligible: true,
+		},
+		{
+			name: "sync loop stuck with nothing queued",
+			steps: func(env *healthEnv) {
+				env.hs.Updated(v4, env.clock.Now())
+				env.hs.SyncLoopRan(v4)
+				env.clock.Step(timeout)
+			},
+			want: want{unavailable, unavailable}, wantFamilies: map[v1.IPFamily]bool{v4: false}, wantEligible: true,
+		},
+		{
+			name: "sync loop running again after being stuck",
+			steps: func(env *healthEnv) {
+				env.hs.SyncLoopRan(v4)
+				env.clock.Step(2 * timeout)
+				env.hs.SyncLoopRan(v4)
+			},
+			want: want{ok, ok}, wantFamilies: map[v1.IPFamily]bool{v4: true}, wantEligible: true,
+		},
+		{
+			name: "dual-stack: one stuck loop makes the proxy unhealthy",
+			steps: func(env *healthEnv) {
+				env.hs.SyncLoopRan(v4)
+				env.hs.SyncLoopRan(v6)
+				env.clock.Step(timeout)
+				env.hs.SyncLoopRan(v4)
+			},
+			want: want{unavailable, unavailable}, wantFamilies: map[v1.IPFamily]bool{v4: true, v6: false}, wantEligible: true,
+		},
+		{
 			name:  "node being deleted",
 			steps: func(env *healthEnv) { env.hs.OnNodeAdd(node(thisNode, deleting)) },
 			want:  want{unavailable, ok}, wantFamilies: map[v1.IPFamily]bool{}, wantEligible: false,

@@ -80,6 +80,8 @@ type Metrics struct {
 	healthz             *prometheus.CounterVec
 	livez               *prometheus.CounterVec
 	buildInfo           *prometheus.GaugeVec
+	setAside            *prometheus.GaugeVec
+	syncPanics          *prometheus.CounterVec
 }
 
 // syncBuckets are kube-proxy's buckets for sync durations: 1ms to ~16s.
@@ -138,6 +140,16 @@ func New(opts Options) (*Metrics, error) {
 		Name: "kproxy_build_info", Help: "A metric with a constant '1' value labeled by the kproxy version and proxy mode",
 	}, []string{"version", "mode"})
 	m.buildInfo.WithLabelValues(opts.Version, opts.Mode).Set(1)
+	// kproxy's own, without kube-proxy counterparts (docs/design.md, "Sync
+	// loop under failure").
+	m.setAside = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "kproxy_sync_proxy_rules_set_aside_services",
+		Help: "Number of service ports whose rules the kernel refused, set aside with their last good rules while everything else is programmed",
+	}, []string{labelIPFamily})
+	m.syncPanics = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kproxy_sync_panics_total",
+		Help: "Cumulative syncs that panicked; each was recovered and counted as a failed sync",
+	}, []string{labelIPFamily})
 
 	pending := func() (services, endpoints int) {
 		if opts.PendingChanges == nil {
@@ -157,7 +169,7 @@ func New(opts Options) (*Metrics, error) {
 		m.networkProgramming, m.endpointChanges, m.serviceChanges, endpointsPending, servicesPending,
 		m.noLocalEndpoints, m.iptablesTotal, m.iptablesLast, m.restoreFailures, m.partialFailures,
 		m.nftSyncFailures, m.nftCleanupFailures,
-		m.healthz, m.livez, m.buildInfo,
+		m.healthz, m.livez, m.buildInfo, m.setAside, m.syncPanics,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {
@@ -179,10 +191,12 @@ func (m *Metrics) SyncQueued(family v1.IPFamily, when time.Time) {
 }
 
 // SyncDone records one sync attempt. Every attempt counts in the duration
-// histograms; a failed one counts as an nftables sync failure in nftables
-// mode, else as a restore failure (and a partial restore failure when
-// partial); the rest is recorded only for successful syncs, as kube-proxy
-// does. nftables mode counts no iptables rules.
+// histograms; a panicked one counts in kproxy_sync_panics_total only; a
+// failed one counts as an nftables sync failure in nftables mode, else as
+// a restore failure (and a partial restore failure when partial); the rest
+// is recorded only for successful syncs, as kube-proxy does, including the
+// number of set-aside service ports. nftables mode counts no iptables
+// rules.
 func (m *Metrics) SyncDone(r proxy.SyncResult) {
 	family := string(r.Family)
 	d := r.Duration.Seconds()
@@ -194,6 +208,10 @@ func (m *Metrics) SyncDone(r proxy.SyncResult) {
 	}
 	m.serviceChanges.Add(float64(r.ServiceChanges))
 	m.endpointChanges.Add(float64(r.EndpointChanges))
+	if r.Panicked {
+		m.syncPanics.WithLabelValues(family).Inc()
+		return
+	}
 	if r.Err != nil {
 		if m.opts.Mode == modeNFTables {
 			m.nftSyncFailures.WithLabelValues(family).Inc()
@@ -212,6 +230,7 @@ func (m *Metrics) SyncDone(r proxy.SyncResult) {
 	m.noLocalEndpoints.WithLabelValues("internal", family).Set(float64(r.NoLocalEndpointsInternal))
 	m.noLocalEndpoints.WithLabelValues("external", family).Set(float64(r.NoLocalEndpointsExternal))
 	m.lastSync.WithLabelValues(family).Set(seconds(now))
+	m.setAside.WithLabelValues(family).Set(float64(len(r.SetAside)))
 	if m.opts.Mode == modeNFTables {
 		return
 	}

@@ -17,6 +17,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2/ktesting"
 	testingclock "k8s.io/utils/clock/testing"
 
@@ -224,6 +225,51 @@ func TestSyncMetrics(t *testing.T) {
 				{"kubeproxy_sync_proxy_rules_last_timestamp_seconds", fam(v4), float64(epoch.Unix())},
 			},
 			absent: []sample{{name: "kubeproxy_network_programming_duration_seconds", labels: fam(v4)}},
+		},
+		{
+			name: "set-aside service ports by family, kept by a failed sync",
+			run: func(e *env) {
+				r := syncAt(e, v4, false, time.Millisecond)
+				r.SetAside = map[proxy.ServicePortName]error{
+					{NamespacedName: types.NamespacedName{Namespace: "ns", Name: "a"}, Port: "p", Protocol: v1.ProtocolSCTP}: errors.New("no sctp"),
+					{NamespacedName: types.NamespacedName{Namespace: "ns", Name: "b"}, Port: "p", Protocol: v1.ProtocolSCTP}: errors.New("no sctp"),
+				}
+				e.m.SyncDone(r)
+				e.m.SyncDone(syncAt(e, v6, false, time.Millisecond))
+				failed := syncAt(e, v4, false, time.Millisecond)
+				failed.Err = errors.New("iptables-restore: exit status 1")
+				e.m.SyncDone(failed)
+			},
+			want: []sample{
+				{"kproxy_sync_proxy_rules_set_aside_services", fam(v4), 2},
+				{"kproxy_sync_proxy_rules_set_aside_services", fam(v6), 0},
+			},
+		},
+		{
+			name: "set-aside ports cleared by a later sync",
+			run: func(e *env) {
+				r := syncAt(e, v4, false, time.Millisecond)
+				r.SetAside = map[proxy.ServicePortName]error{{Port: "p"}: errors.New("no")}
+				e.m.SyncDone(r)
+				e.m.SyncDone(syncAt(e, v4, false, time.Millisecond))
+			},
+			want: []sample{{"kproxy_sync_proxy_rules_set_aside_services", fam(v4), 0}},
+		},
+		{
+			name: "panics are counted, not as restore failures",
+			run: func(e *env) {
+				e.m.SyncDone(syncAt(e, v4, true, time.Millisecond))
+				for range 2 {
+					r := syncAt(e, v4, true, time.Millisecond)
+					r.Err, r.Panicked = errors.New("panic: boom"), true
+					e.m.SyncDone(r)
+				}
+			},
+			want: []sample{
+				{"kproxy_sync_panics_total", fam(v4), 2},
+				{"kubeproxy_sync_proxy_rules_duration_seconds", fam(v4), 3},
+			},
+			absent: []sample{{name: "kubeproxy_sync_proxy_rules_iptables_restore_failures_total", labels: fam(v4)}},
 		},
 		{
 			name: "network programming latency per applied trigger time",

@@ -96,20 +96,33 @@ func NewEndpointsChangeTracker(opts EndpointsChangeTrackerOptions) *EndpointsCha
 // when this update left a change to sync; an update that restores what was
 // last applied returns false.
 func (t *EndpointsChangeTracker) EndpointSliceUpdate(slice *discovery.EndpointSlice, removeSlice bool) bool {
+	pending, _ := t.UpdateEndpointSlice(slice, removeSlice)
+	return pending
+}
+
+// UpdateEndpointSlice is EndpointSliceUpdate that also returns the problems
+// the update brings: the ports and endpoints of slice that kproxy skips
+// (see newSliceInfo) and that the slice's previous version did not have,
+// each logged once here. A problem both versions have is not returned
+// again.
+func (t *EndpointsChangeTracker) UpdateEndpointSlice(slice *discovery.EndpointSlice, removeSlice bool) (pending bool, newProblems []EndpointSliceProblem) {
 	if slice == nil {
-		return false
+		return false, nil
 	}
 	if !t.cache.Handles(slice) {
 		t.logger.V(5).Info("Ignoring EndpointSlice of another address type", "endpointSlice", klog.KObj(slice), "addressType", slice.AddressType)
-		return false
+		return false, nil
 	}
 
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	nn, changed, pending, err := t.cache.updatePending(slice, removeSlice)
+	nn, changed, pending, newProblems, err := t.cache.updatePending(slice, removeSlice)
 	if err != nil {
 		t.logger.Info("Ignoring EndpointSlice", "endpointSlice", klog.KObj(slice), "err", err)
-		return false
+		return false, nil
+	}
+	for _, p := range newProblems {
+		t.logger.Error(nil, "EndpointSlice has a problem kproxy works around", "endpointSlice", klog.KObj(slice), "reason", p.Reason, "problem", p.Message)
 	}
 	switch {
 	case !pending:
@@ -125,7 +138,7 @@ func (t *EndpointsChangeTracker) EndpointSliceUpdate(slice *discovery.EndpointSl
 			t.lastChangeTriggerTimes[nn] = append(t.lastChangeTriggerTimes[nn], ts)
 		}
 	}
-	return changed && pending
+	return changed && pending, newProblems
 }
 
 func (t *EndpointsChangeTracker) triggerTime(slice *discovery.EndpointSlice) (time.Time, bool) {

@@ -83,6 +83,9 @@ type sliceInfo struct {
 	// one) are these very objects, which are never modified.
 	endpoints []*Endpoint
 	remove    bool
+	// problems are what the slice held that kproxy skipped (invalid
+	// ports and endpoints), for reporting each once; not part of equal.
+	problems []EndpointSliceProblem
 }
 
 type slicePort struct {
@@ -157,10 +160,11 @@ func (c *EndpointSliceCache) serviceOfSlice(namespace, name string) (types.Names
 
 // updatePending records an update (or, with remove, a deletion) of slice. It
 // returns the slice's service, whether the pending state of that service
-// changed, and whether the service now has pending changes. Updates that
-// restore the applied state drop the pending entry, so a slice added and
-// removed between two Applies leaves nothing behind.
-func (c *EndpointSliceCache) updatePending(slice *discovery.EndpointSlice, remove bool) (nn types.NamespacedName, changed, pending bool, err error) {
+// changed, whether the service now has pending changes, and the problems of
+// the slice that its previous version (pending, else applied) did not have.
+// Updates that restore the applied state drop the pending entry, so a slice
+// added and removed between two Applies leaves nothing behind.
+func (c *EndpointSliceCache) updatePending(slice *discovery.EndpointSlice, remove bool) (nn types.NamespacedName, changed, pending bool, newProblems []EndpointSliceProblem, err error) {
 	nn, err = endpointSliceServiceName(slice)
 	if err != nil && remove && slice.Labels[discovery.LabelServiceName] == "" {
 		// A deletion the informer found on a relist carries its cached
@@ -172,7 +176,7 @@ func (c *EndpointSliceCache) updatePending(slice *discovery.EndpointSlice, remov
 		}
 	}
 	if err != nil {
-		return nn, false, false, err
+		return nn, false, false, nil, err
 	}
 	info := c.newSliceInfo(slice, remove)
 
@@ -185,14 +189,27 @@ func (c *EndpointSliceCache) updatePending(slice *discovery.EndpointSlice, remov
 	}
 	applied, isApplied := tracker.find(slice.Name)
 	old, isPending := tracker.pending[slice.Name]
+	switch {
+	case isPending:
+		newProblems = problemsNotIn(info.problems, old.problems)
+	case isApplied:
+		newProblems = problemsNotIn(info.problems, applied.problems)
+	default:
+		newProblems = problemsNotIn(info.problems, nil)
+	}
 
 	switch {
 	case isPending && old.equal(info):
 		changed = false
+		// The next update compares its problems with this version's.
+		old.problems = info.problems
 	case (!isApplied && remove) || (isApplied && applied.equal(info)):
 		// Back to the applied state.
 		changed = isPending
 		delete(tracker.pending, slice.Name)
+		if isApplied {
+			applied.problems = info.problems
+		}
 	default:
 		changed = true
 		if tracker.pending == nil {
@@ -209,7 +226,7 @@ func (c *EndpointSliceCache) updatePending(slice *discovery.EndpointSlice, remov
 			delete(c.services, nn)
 		}
 	}
-	return nn, changed, pending, nil
+	return nn, changed, pending, newProblems, nil
 }
 
 // pendingServices names the services with pending slice updates.
@@ -330,28 +347,59 @@ func compareEndpoints(a, b *Endpoint) int {
 	return cmp.Compare(a.Port, b.Port)
 }
 
-// newSliceInfo extracts what the dataplane needs from a slice. Endpoints of
-// the wrong family or with unparsable addresses are logged and dropped, as
-// are ports without a number.
+// Reasons of the EndpointSliceProblems the cache reports; kproxy uses them
+// as the reasons of the Warning events it puts on EndpointSlices.
+const (
+	// EndpointSliceProblemInvalidEndpoint: an endpoint's address is not an
+	// IP address, is of the other family, or is one no endpoint may have;
+	// kproxy skips the endpoint.
+	EndpointSliceProblemInvalidEndpoint = "InvalidEndpoint"
+	// EndpointSliceProblemInvalidPort: a port's number or protocol cannot
+	// be programmed; kproxy skips the port.
+	EndpointSliceProblemInvalidPort = "InvalidEndpointPort"
+)
+
+// EndpointSliceProblem is one thing in an EndpointSlice that kproxy skips;
+// the same shape as a ServiceProblem.
+type EndpointSliceProblem = ServiceProblem
+
+// newSliceInfo extracts what the dataplane needs from a slice. Ports with
+// a number out of range or a protocol other than TCP, UDP or SCTP, and
+// endpoints whose address is not an IP address of the family or is a
+// special address (unspecified, loopback, link-local, multicast,
+// broadcast), are dropped and listed in the info's problems: each affects
+// nothing else. Ports without a number are dropped silently (the API allows
+// them, meaning every port, which a service proxy cannot use).
 func (c *EndpointSliceCache) newSliceInfo(slice *discovery.EndpointSlice, remove bool) *sliceInfo {
 	info := &sliceInfo{remove: remove}
 	if remove {
 		return info
 	}
 	logger := c.logger.WithValues("endpointSlice", klog.KObj(slice))
+	problem := func(reason, format string, args ...any) {
+		info.problems = append(info.problems, EndpointSliceProblem{Reason: reason, Message: fmt.Sprintf(format, args...)})
+	}
 	for _, p := range slice.Ports {
 		// The API server defaults a missing name to "" and protocol to TCP.
 		name := ""
 		if p.Name != nil {
 			name = *p.Name
 		}
-		if p.Port == nil || *p.Port <= 0 || *p.Port > 65535 {
-			logger.V(2).Info("Ignoring EndpointSlice port without a valid number", "portName", name)
+		if p.Port == nil {
+			logger.V(2).Info("Ignoring EndpointSlice port without a number", "portName", name)
+			continue
+		}
+		if !validPortNumber(*p.Port) {
+			problem(EndpointSliceProblemInvalidPort, "port %q: %d is out of range 1-65535; kproxy skips this port", name, *p.Port)
 			continue
 		}
 		protocol := v1.ProtocolTCP
 		if p.Protocol != nil && *p.Protocol != "" {
 			protocol = *p.Protocol
+		}
+		if !validProtocol(protocol) {
+			problem(EndpointSliceProblemInvalidPort, "port %q: protocol %q is not TCP, UDP or SCTP; kproxy skips this port", name, protocol)
+			continue
 		}
 		info.ports = append(info.ports, slicePort{name: name, protocol: protocol, port: int(*p.Port)})
 	}
@@ -371,11 +419,15 @@ func (c *EndpointSliceCache) newSliceInfo(slice *discovery.EndpointSlice, remove
 		}
 		addr, ok := parseAddrSloppy(e.Addresses[0])
 		if !ok {
-			logger.Error(nil, "Ignoring endpoint with an invalid address", "address", e.Addresses[0])
+			problem(EndpointSliceProblemInvalidEndpoint, "endpoint %q is not an IP address; kproxy skips it", e.Addresses[0])
 			continue
 		}
-		if familyOfAddr(addr) != c.family {
-			logger.Error(nil, "Ignoring endpoint of the wrong IP family", "address", e.Addresses[0])
+		if f := familyOfAddr(addr); f != c.family {
+			problem(EndpointSliceProblemInvalidEndpoint, "endpoint %q is an %s address in a slice of address type %s; kproxy skips it", e.Addresses[0], f, slice.AddressType)
+			continue
+		}
+		if why := specialAddrProblem(addr); why != "" {
+			problem(EndpointSliceProblemInvalidEndpoint, "endpoint %q is %s; kproxy skips it", e.Addresses[0], why)
 			continue
 		}
 		ready := e.Conditions.Ready == nil || *e.Conditions.Ready

@@ -323,7 +323,7 @@ func TestEndpointSliceCacheOrderIndependent(t *testing.T) {
 	for _, order := range [][]*discovery.EndpointSlice{{a, b}, {b, a}} {
 		cache := NewEndpointSliceCache(EndpointSliceCacheOptions{Family: v1.IPv4Protocol})
 		for _, s := range order {
-			if _, _, _, err := cache.updatePending(s, false); err != nil {
+			if _, _, _, _, err := cache.updatePending(s, false); err != nil {
 				t.Fatalf("updatePending(%s): %v", s.Name, err)
 			}
 		}

@@ -8,6 +8,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	netutils "k8s.io/utils/net"
 )
 
@@ -124,6 +125,9 @@ func parseServicePorts(svc *v1.Service, family v1.IPFamily) (servicePorts, []Ser
 	}
 	var p problems
 	clusterIP, hasClusterIP := clusterIPOfFamily(svc, family, &p)
+	// Every port is checked, whatever the family, so that the problems
+	// do not depend on it.
+	validPorts := validServicePorts(svc, &p)
 	externalIPs := externalIPsOfFamily(svc, family, &p)
 	var lbVIPs []netip.Addr
 	if svc.Spec.Type == v1.ServiceTypeLoadBalancer {
@@ -132,14 +136,22 @@ func parseServicePorts(svc *v1.Service, family v1.IPFamily) (servicePorts, []Ser
 
 	healthCheckNodePort := 0
 	if svc.Spec.Type == v1.ServiceTypeLoadBalancer && svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal {
-		if svc.Spec.HealthCheckNodePort == 0 {
+		switch hc := svc.Spec.HealthCheckNodePort; {
+		case hc == 0:
 			p.invalidField("spec.healthCheckNodePort is not set on a LoadBalancer service with externalTrafficPolicy Local; kproxy serves no health check for it")
-		} else {
-			healthCheckNodePort = int(svc.Spec.HealthCheckNodePort)
+		case !validPortNumber(hc):
+			p.invalidField("spec.healthCheckNodePort %d is out of range 1-65535; kproxy serves no health check for it", hc)
+		default:
+			healthCheckNodePort = int(hc)
 		}
 	}
 
-	sourceRanges := sourceRangesOfFamily(svc, family, &p)
+	sourceRanges, sourceRangesValid := sourceRangesOfFamily(svc, family, &p)
+	if !sourceRangesValid {
+		// Failing closed: without any valid range the load balancer IPs
+		// would accept every source, which is not what the Service asks.
+		lbVIPs = nil
+	}
 
 	var topologyKeys []string
 	var topologyKeysErr error
@@ -175,7 +187,7 @@ func parseServicePorts(svc *v1.Service, family v1.IPFamily) (servicePorts, []Ser
 
 	nn := types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}
 	ports := make(servicePorts, 0, len(svc.Spec.Ports))
-	for i := range svc.Spec.Ports {
+	for _, i := range validPorts {
 		sp := &svc.Spec.Ports[i]
 		protocol := sp.Protocol
 		if protocol == "" {
@@ -222,6 +234,70 @@ func (p *problems) invalidField(format string, args ...any) {
 	p.add(ServiceProblemInvalidServiceField, format, args...)
 }
 
+// validPortNumber reports whether n is a port number: 1-65535.
+func validPortNumber(n int32) bool { return n >= 1 && n <= 65535 }
+
+// validProtocol reports whether kproxy can program protocol: TCP, UDP or
+// SCTP (empty means TCP, the API's default).
+func validProtocol(protocol v1.Protocol) bool {
+	switch protocol {
+	case "", v1.ProtocolTCP, v1.ProtocolUDP, v1.ProtocolSCTP:
+		return true
+	}
+	return false
+}
+
+// validServicePorts returns the indexes of the entries of spec.ports that
+// kproxy can program and reports the others, which it skips: a protocol
+// other than TCP, UDP or SCTP, or a port, node port or numeric target port
+// outside 1-65535 (an API server validates these; an old or non-standard
+// one may not, and one such port must not stop every other from being
+// programmed). A skipped port affects no other port of the Service.
+func validServicePorts(svc *v1.Service, p *problems) []int {
+	valid := make([]int, 0, len(svc.Spec.Ports))
+	for i := range svc.Spec.Ports {
+		sp := &svc.Spec.Ports[i]
+		var why []string
+		if !validProtocol(sp.Protocol) {
+			why = append(why, fmt.Sprintf("protocol %q is not TCP, UDP or SCTP", sp.Protocol))
+		}
+		if !validPortNumber(sp.Port) {
+			why = append(why, fmt.Sprintf("port %d is out of range 1-65535", sp.Port))
+		}
+		if sp.NodePort != 0 && !validPortNumber(sp.NodePort) {
+			why = append(why, fmt.Sprintf("nodePort %d is out of range 1-65535", sp.NodePort))
+		}
+		if sp.TargetPort.Type == intstr.Int && sp.TargetPort.IntVal != 0 && !validPortNumber(sp.TargetPort.IntVal) {
+			why = append(why, fmt.Sprintf("targetPort %d is out of range 1-65535", sp.TargetPort.IntVal))
+		}
+		if len(why) > 0 {
+			p.invalidField("spec.ports[%d] (name %q): %s; kproxy skips this port", i, sp.Name, strings.Join(why, ", "))
+			continue
+		}
+		valid = append(valid, i)
+	}
+	return valid
+}
+
+// specialAddrProblem says why addr cannot be a service or endpoint address
+// (unspecified, loopback, link-local, multicast or broadcast: what the API
+// server refuses in these fields), or "" when it can.
+func specialAddrProblem(addr netip.Addr) string {
+	switch {
+	case addr.IsUnspecified():
+		return "the unspecified address"
+	case addr.IsLoopback():
+		return "a loopback address"
+	case addr.IsLinkLocalUnicast():
+		return "a link-local address"
+	case addr.IsMulticast():
+		return "a multicast address"
+	case addr == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
+		return "the broadcast address"
+	}
+	return ""
+}
+
 // serviceExternallyAccessible mirrors the API's notion: NodePort and
 // LoadBalancer services, and ClusterIP services with external IPs.
 func serviceExternallyAccessible(svc *v1.Service) bool {
@@ -241,6 +317,7 @@ func clusterIPOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) (netip.
 		candidates = []string{svc.Spec.ClusterIP}
 	}
 	var found netip.Addr
+	var seen []v1.IPFamily
 	for _, s := range candidates {
 		if s == "" || s == v1.ClusterIPNone {
 			continue
@@ -250,7 +327,17 @@ func clusterIPOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) (netip.
 			p.invalidField("spec.clusterIPs: %q is not an IP address; kproxy ignores it", s)
 			continue
 		}
-		if !found.IsValid() && familyOfAddr(addr) == family {
+		if why := specialAddrProblem(addr); why != "" {
+			p.invalidField("spec.clusterIPs: %q is %s; kproxy ignores it", s, why)
+			continue
+		}
+		f := familyOfAddr(addr)
+		if slices.Contains(seen, f) {
+			p.invalidField("spec.clusterIPs: %q is a second %s address; kproxy ignores it", s, f)
+			continue
+		}
+		seen = append(seen, f)
+		if f == family {
 			found = addr
 		}
 	}
@@ -263,6 +350,10 @@ func externalIPsOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) []net
 		addr, ok := parseAddrSloppy(strings.TrimSpace(s))
 		if !ok {
 			p.invalidField("spec.externalIPs: %q is not an IP address; kproxy ignores it", s)
+			continue
+		}
+		if why := specialAddrProblem(addr); why != "" {
+			p.invalidField("spec.externalIPs: %q is %s; kproxy ignores it", s, why)
 			continue
 		}
 		if familyOfAddr(addr) == family {
@@ -289,6 +380,10 @@ func loadBalancerVIPsOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) 
 			p.invalidField("status.loadBalancer.ingress: %q is not an IP address; kproxy ignores it", ing.IP)
 			continue
 		}
+		if why := specialAddrProblem(addr); why != "" {
+			p.invalidField("status.loadBalancer.ingress: %q is %s; kproxy ignores it", ing.IP, why)
+			continue
+		}
 		if familyOfAddr(addr) == family {
 			out = append(out, addr)
 		}
@@ -301,14 +396,18 @@ func loadBalancerVIPsOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) 
 // spaces), empty ones skipped, invalid ones skipped one by one (the others
 // still apply), and a zero-length prefix of the family ("0.0.0.0/0", "::/0")
 // means any source, which is the same as no range at all for that family.
+// Unlike kube-proxy, a field whose every entry is invalid does not mean "no
+// restriction": valid is then false, and the caller accepts no load
+// balancer traffic for the service rather than traffic from every source.
 //
 // The legacy annotation service.beta.kubernetes.io/load-balancer-source-ranges
 // is not applied (kube-proxy ignores it too); on a LoadBalancer Service
 // whose field is empty it is reported, since the ranges it names are then
 // not enforced on the node.
-func sourceRangesOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) []netip.Prefix {
+func sourceRangesOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) (ranges []netip.Prefix, valid bool) {
 	var out []netip.Prefix
 	anySource := false
+	invalid, parsed := 0, 0
 	for _, s := range svc.Spec.LoadBalancerSourceRanges {
 		s = strings.TrimSpace(s)
 		if s == "" {
@@ -317,8 +416,10 @@ func sourceRangesOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) []ne
 		prefix, ok := parsePrefixSloppy(s)
 		if !ok {
 			p.invalidField("spec.loadBalancerSourceRanges: %q is not a CIDR; kproxy ignores it", s)
+			invalid++
 			continue
 		}
+		parsed++
 		if familyOfAddr(prefix.Addr()) != family {
 			continue
 		}
@@ -333,10 +434,16 @@ func sourceRangesOfFamily(svc *v1.Service, family v1.IPFamily, p *problems) []ne
 			"annotation %s is ignored: kproxy, like kube-proxy, restricts sources only by spec.loadBalancerSourceRanges",
 			v1.AnnotationLoadBalancerSourceRangesKey)
 	}
-	if anySource {
-		return nil
+	if invalid > 0 && parsed == 0 {
+		if svc.Spec.Type == v1.ServiceTypeLoadBalancer {
+			p.invalidField("spec.loadBalancerSourceRanges: no entry is a valid CIDR; kproxy accepts no traffic on the load balancer IPs rather than traffic from every source")
+		}
+		return nil, false
 	}
-	return out
+	if anySource {
+		return nil, true
+	}
+	return out, true
 }
 
 // parseAddrSloppy parses an IP address accepting the legacy forms the API

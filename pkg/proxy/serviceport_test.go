@@ -10,6 +10,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
 )
 
@@ -204,6 +205,180 @@ func TestParseService(t *testing.T) {
 			want:   spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.NodePort = 30080 })),
 		},
 		{
+			name: "port 70000 skips that port only",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Ports = append(s.Spec.Ports, v1.ServicePort{Name: "big", Port: 70000, Protocol: v1.ProtocolTCP})
+			}),
+			family:       v1.IPv4Protocol,
+			want:         spTestMap(spTestPort("10.0.0.1")),
+			wantProblems: []ServiceProblem{invalidField(`spec.ports[1] (name "big"): port 70000 is out of range 1-65535; kproxy skips this port`)},
+		},
+		{
+			name: "port 0",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Ports = append(s.Spec.Ports, v1.ServicePort{Name: "zero", Port: 0, Protocol: v1.ProtocolUDP})
+			}),
+			family:       v1.IPv4Protocol,
+			want:         spTestMap(spTestPort("10.0.0.1")),
+			wantProblems: []ServiceProblem{invalidField(`spec.ports[1] (name "zero"): port 0 is out of range 1-65535; kproxy skips this port`)},
+		},
+		{
+			name: "negative port",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Ports = append(s.Spec.Ports, v1.ServicePort{Name: "neg", Port: -80})
+			}),
+			family:       v1.IPv4Protocol,
+			want:         spTestMap(spTestPort("10.0.0.1")),
+			wantProblems: []ServiceProblem{invalidField(`spec.ports[1] (name "neg"): port -80 is out of range 1-65535; kproxy skips this port`)},
+		},
+		{
+			name: "protocol ICMP",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Ports = append(s.Spec.Ports, v1.ServicePort{Name: "ping", Port: 7, Protocol: "ICMP"})
+			}),
+			family:       v1.IPv4Protocol,
+			want:         spTestMap(spTestPort("10.0.0.1")),
+			wantProblems: []ServiceProblem{invalidField(`spec.ports[1] (name "ping"): protocol "ICMP" is not TCP, UDP or SCTP; kproxy skips this port`)},
+		},
+		{
+			name: "lower-case protocol tcp",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Ports = append(s.Spec.Ports, v1.ServicePort{Name: "low", Port: 81, Protocol: "tcp"})
+			}),
+			family:       v1.IPv4Protocol,
+			want:         spTestMap(spTestPort("10.0.0.1")),
+			wantProblems: []ServiceProblem{invalidField(`spec.ports[1] (name "low"): protocol "tcp" is not TCP, UDP or SCTP; kproxy skips this port`)},
+		},
+		{
+			name: "node port 70000",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Type = v1.ServiceTypeNodePort
+				s.Spec.Ports[0].NodePort = 30080
+				s.Spec.Ports = append(s.Spec.Ports, v1.ServicePort{Name: "np", Port: 81, NodePort: 70000, Protocol: v1.ProtocolTCP})
+			}),
+			family:       v1.IPv4Protocol,
+			want:         spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.NodePort = 30080 })),
+			wantProblems: []ServiceProblem{invalidField(`spec.ports[1] (name "np"): nodePort 70000 is out of range 1-65535; kproxy skips this port`)},
+		},
+		{
+			name: "target port 70000",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Ports = append(s.Spec.Ports, v1.ServicePort{Name: "tp", Port: 81, TargetPort: intstr.FromInt32(70000), Protocol: v1.ProtocolTCP})
+			}),
+			family:       v1.IPv4Protocol,
+			want:         spTestMap(spTestPort("10.0.0.1")),
+			wantProblems: []ServiceProblem{invalidField(`spec.ports[1] (name "tp"): targetPort 70000 is out of range 1-65535; kproxy skips this port`)},
+		},
+		{
+			name: "named target port and target port 0 (defaulted) are fine",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Ports[0].TargetPort = intstr.FromString("web")
+				s.Spec.Ports = append(s.Spec.Ports, v1.ServicePort{Name: "tp", Port: 81, Protocol: v1.ProtocolTCP})
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1"), spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.Name.Port = "tp"
+				p.Port = 81
+			})),
+		},
+		{
+			name: "several problems of one port in one message",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.Ports = append(s.Spec.Ports, v1.ServicePort{Name: "bad", Port: 70000, Protocol: "ICMP"})
+			}),
+			family:       v1.IPv4Protocol,
+			want:         spTestMap(spTestPort("10.0.0.1")),
+			wantProblems: []ServiceProblem{invalidField(`spec.ports[1] (name "bad"): protocol "ICMP" is not TCP, UDP or SCTP, port 70000 is out of range 1-65535; kproxy skips this port`)},
+		},
+		{
+			name: "invalid port of a single-stack IPv6 service is reported by the IPv4 family too",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIP = "fd00::1"
+				s.Spec.ClusterIPs = []string{"fd00::1"}
+				s.Spec.IPFamilies = []v1.IPFamily{v1.IPv6Protocol}
+				s.Spec.Ports = append(s.Spec.Ports, v1.ServicePort{Name: "big", Port: 70000, Protocol: v1.ProtocolTCP})
+			}),
+			family:       v1.IPv4Protocol,
+			want:         nil,
+			wantProblems: []ServiceProblem{invalidField(`spec.ports[1] (name "big"): port 70000 is out of range 1-65535; kproxy skips this port`)},
+		},
+		{
+			name: "loopback ClusterIP yields nothing",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIP = "127.0.0.1"
+				s.Spec.ClusterIPs = []string{"127.0.0.1"}
+			}),
+			family:       v1.IPv4Protocol,
+			want:         nil,
+			wantProblems: []ServiceProblem{invalidField(`spec.clusterIPs: "127.0.0.1" is a loopback address; kproxy ignores it`)},
+		},
+		{
+			name: "unspecified ClusterIP yields nothing",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIP = "0.0.0.0"
+				s.Spec.ClusterIPs = []string{"0.0.0.0"}
+			}),
+			family:       v1.IPv4Protocol,
+			want:         nil,
+			wantProblems: []ServiceProblem{invalidField(`spec.clusterIPs: "0.0.0.0" is the unspecified address; kproxy ignores it`)},
+		},
+		{
+			name: "two ClusterIPs of one family: the first counts",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ClusterIPs = []string{"10.0.0.1", "10.0.0.2", "fd00::1"}
+			}),
+			family:       v1.IPv4Protocol,
+			want:         spTestMap(spTestPort("10.0.0.1")),
+			wantProblems: []ServiceProblem{invalidField(`spec.clusterIPs: "10.0.0.2" is a second IPv4 address; kproxy ignores it`)},
+		},
+		{
+			name: "special external IPs skipped",
+			svc: spTestService(func(s *v1.Service) {
+				s.Spec.ExternalIPs = []string{"0.0.0.0", "192.0.2.1", "224.0.0.1", "169.254.1.1", "::1", "255.255.255.255"}
+			}),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.ExternalIPs = spTestAddrs("192.0.2.1") })),
+			wantProblems: []ServiceProblem{
+				invalidField(`spec.externalIPs: "0.0.0.0" is the unspecified address; kproxy ignores it`),
+				invalidField(`spec.externalIPs: "224.0.0.1" is a multicast address; kproxy ignores it`),
+				invalidField(`spec.externalIPs: "169.254.1.1" is a link-local address; kproxy ignores it`),
+				invalidField(`spec.externalIPs: "::1" is a loopback address; kproxy ignores it`),
+				invalidField(`spec.externalIPs: "255.255.255.255" is the broadcast address; kproxy ignores it`),
+			},
+		},
+		{
+			name: "invalid and special load balancer ingress IPs skipped",
+			svc: spTestService(lb, func(s *v1.Service) {
+				s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{
+					spTestIngress("198.51.100.1", nil),
+					spTestIngress("198.51.100.256", nil),
+					spTestIngress("ff02::1", nil),
+				}
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.NodePort = 30080
+				p.LoadBalancerVIPs = spTestAddrs("198.51.100.1")
+			})),
+			wantProblems: []ServiceProblem{
+				invalidField(`status.loadBalancer.ingress: "198.51.100.256" is not an IP address; kproxy ignores it`),
+				invalidField(`status.loadBalancer.ingress: "ff02::1" is a multicast address; kproxy ignores it`),
+			},
+		},
+		{
+			name: "health check node port 70000: no health check",
+			svc: spTestService(lb, func(s *v1.Service) {
+				s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal
+				s.Spec.HealthCheckNodePort = 70000
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.NodePort = 30080
+				p.ExternalPolicyLocal = true
+			})),
+			wantProblems: []ServiceProblem{invalidField("spec.healthCheckNodePort 70000 is out of range 1-65535; kproxy serves no health check for it")},
+		},
+		{
 			name: "external IPs of the family, invalid ones skipped",
 			svc: spTestService(func(s *v1.Service) {
 				s.Spec.ExternalIPs = []string{"192.0.2.1", "not-an-ip", "2001:db8::1", " 192.0.2.2 ", "192.0.2.300"}
@@ -299,12 +474,30 @@ func TestParseService(t *testing.T) {
 			want:   spTestMap(spTestPort("10.0.0.1")),
 		},
 		{
-			name: "only invalid source ranges: no range applies",
+			// Fail closed: kube-proxy would accept every source.
+			name: "only invalid source ranges: the load balancer IPs are not served",
 			svc: spTestService(lb, func(s *v1.Service) {
 				s.Spec.LoadBalancerSourceRanges = []string{"192.0.2.0/33", "  "}
+				s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{spTestIngress("198.51.100.1", nil)}
 			}),
-			family:       v1.IPv4Protocol,
-			want:         spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.NodePort = 30080 })),
+			family: v1.IPv4Protocol,
+			want:   spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) { p.NodePort = 30080 })),
+			wantProblems: []ServiceProblem{
+				invalidField(`spec.loadBalancerSourceRanges: "192.0.2.0/33" is not a CIDR; kproxy ignores it`),
+				invalidField("spec.loadBalancerSourceRanges: no entry is a valid CIDR; kproxy accepts no traffic on the load balancer IPs rather than traffic from every source"),
+			},
+		},
+		{
+			name: "an invalid source range beside a valid one: the valid one applies",
+			svc: spTestService(lb, func(s *v1.Service) {
+				s.Spec.LoadBalancerSourceRanges = []string{"192.0.2.0/33", "2001:db8::/64"}
+				s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{spTestIngress("198.51.100.1", nil)}
+			}),
+			family: v1.IPv4Protocol,
+			want: spTestMap(spTestPort("10.0.0.1", func(p *ServicePort) {
+				p.NodePort = 30080
+				p.LoadBalancerVIPs = spTestAddrs("198.51.100.1")
+			})),
 			wantProblems: []ServiceProblem{invalidField(`spec.loadBalancerSourceRanges: "192.0.2.0/33" is not a CIDR; kproxy ignores it`)},
 		},
 		{

@@ -71,6 +71,15 @@ type SyncResult struct {
 	// RulesWritten is, by table, the rules the last successful sync wrote
 	// (a partial sync writes only what changed); nil when the sync failed.
 	RulesWritten map[string]int
+	// SetAside are the service ports set aside after a successful sync,
+	// each with the kernel's refusal: those the backend refused in this
+	// sync and those of earlier syncs that it has not retried since (their
+	// services did not change and the sync was partial). nil when none,
+	// or when the sync failed. Read-only.
+	SetAside map[ServicePortName]error
+	// Panicked is set when the sync panicked; Err then holds the panic
+	// (docs/design.md, "Sync loop under failure").
+	Panicked bool
 }
 
 // HealthCheckService is one service's healthCheckNodePort and its local

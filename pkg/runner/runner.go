@@ -1,13 +1,15 @@
 // Package runner provides BoundedFrequencyRunner, the scheduler behind
 // kproxy's sync loop: it runs a function when asked, but never more often than
-// a minimum interval, at least once per maximum interval, and again shortly
-// after a failure.
+// a minimum interval, at least once per maximum interval, and again after a
+// failure, backing off while failures repeat.
 package runner
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -21,17 +23,28 @@ import (
 type Options struct {
 	// Name identifies the runner in logs.
 	Name string
-	// Fn is the work to run. A non-nil error schedules a retry after
-	// RetryInterval. Fn receives the context passed to Loop, carrying a
-	// logger named after the runner.
+	// Fn is the work to run. A non-nil error schedules a retry (see
+	// RetryInterval); a panic is recovered, logged with its stack and
+	// counts as a failure (a *PanicError). Fn receives the context passed
+	// to Loop, carrying a logger named after the runner.
 	Fn func(ctx context.Context) error
 	// MinInterval is the minimum time between the end of one run and the
 	// start of the next. Zero runs every request as soon as the previous run
 	// has finished.
 	MinInterval time.Duration
 	// RetryInterval is how long after a failed run Fn runs again (never
-	// sooner than MinInterval allows). Must be positive.
+	// sooner than MinInterval allows). Each further consecutive failure
+	// doubles the wait, up to MaxInterval; a successful run resets it.
+	// Must be positive.
 	RetryInterval time.Duration
+	// RetryJitter spreads each retry's wait by up to this fraction either
+	// way (0.2: +-20%), so that the nodes of a cluster failing together do
+	// not retry in step; the wait never exceeds MaxInterval. Zero retries
+	// after exactly the backed-off wait. Must be in [0, 1).
+	RetryJitter float64
+	// Rand returns a uniform number in [0, 1) for the jitter; nil uses
+	// math/rand/v2.
+	Rand func() float64
 	// MaxInterval is the longest time between the end of one run and the
 	// start of the next: when nothing asked for a run by then, Fn runs anyway.
 	// Before the first run it is measured from the start of Loop. Must be
@@ -54,6 +67,9 @@ func (o *Options) validate() error {
 	if o.RetryInterval <= 0 {
 		problems = append(problems, fmt.Sprintf("RetryInterval must be positive, got %v", o.RetryInterval))
 	}
+	if o.RetryJitter < 0 || o.RetryJitter >= 1 {
+		problems = append(problems, fmt.Sprintf("RetryJitter must be in [0, 1), got %v", o.RetryJitter))
+	}
 	if o.MaxInterval <= 0 {
 		problems = append(problems, fmt.Sprintf("MaxInterval must be positive, got %v", o.MaxInterval))
 	} else if o.MinInterval > o.MaxInterval {
@@ -74,8 +90,9 @@ func (o *Options) validate() error {
 //     MinInterval to pass, coalesce into exactly one further run;
 //   - when nothing asks for a run, one happens MaxInterval after the previous
 //     run ended;
-//   - a failed run, or a RetryAfter call, schedules a retry, which any run
-//     that starts earlier satisfies;
+//   - a failed (or panicking) run, or a RetryAfter call, schedules a retry,
+//     which any run that starts earlier satisfies; consecutive failures
+//     back off exponentially, with jitter, up to MaxInterval;
 //   - runs never overlap: Fn is only ever called from the Loop goroutine.
 //
 // Create one with NewBoundedFrequencyRunner, start it with Loop, and call Run
@@ -85,8 +102,14 @@ type BoundedFrequencyRunner struct {
 	fn            func(context.Context) error
 	minInterval   time.Duration
 	retryInterval time.Duration
+	retryJitter   float64
+	rand          func() float64
 	maxInterval   time.Duration
 	clock         clock.WithTicker
+
+	// failures counts the consecutive failed runs; only the Loop goroutine
+	// touches it.
+	failures int
 
 	// wake has room for one token; Run and RetryAfter leave one there so an
 	// idle Loop re-reads the request state below.
@@ -114,11 +137,17 @@ func NewBoundedFrequencyRunner(opts Options) (*BoundedFrequencyRunner, error) {
 	if clk == nil {
 		clk = clock.RealClock{}
 	}
+	rnd := opts.Rand
+	if rnd == nil {
+		rnd = rand.Float64
+	}
 	return &BoundedFrequencyRunner{
 		name:          opts.Name,
 		fn:            opts.Fn,
 		minInterval:   opts.MinInterval,
 		retryInterval: opts.RetryInterval,
+		retryJitter:   opts.RetryJitter,
+		rand:          rnd,
 		maxInterval:   opts.MaxInterval,
 		clock:         clk,
 		wake:          make(chan struct{}, 1),
@@ -255,16 +284,81 @@ func (r *BoundedFrequencyRunner) runOnce(ctx context.Context, logger klog.Logger
 
 	start := r.clock.Now()
 	logger.V(4).Info("Running", "reason", reason)
-	err := r.fn(ctx)
+	panicked, err := r.call(ctx)
 	end := r.clock.Now()
 	switch {
 	case err != nil && ctx.Err() != nil:
 		logger.V(2).Info("Run failed while stopping; not retrying", "err", err)
 	case err != nil:
-		r.scheduleRetry(end.Add(r.retryInterval))
-		logger.Error(err, "Run failed; will retry", "reason", reason, "retryInterval", r.retryInterval)
+		r.failures++
+		wait := r.retryWait(r.failures)
+		r.scheduleRetry(end.Add(wait))
+		if panicked != nil {
+			logger.Error(err, "Run panicked; will retry", "reason", reason, "consecutiveFailures", r.failures, "retryAfter", wait, "stack", string(panicked.Stack))
+		} else {
+			logger.Error(err, "Run failed; will retry", "reason", reason, "consecutiveFailures", r.failures, "retryAfter", wait)
+		}
 	default:
+		if r.failures > 0 {
+			logger.V(2).Info("Run succeeded after failures", "reason", reason, "failures", r.failures)
+		}
+		r.failures = 0
 		logger.V(4).Info("Run finished", "reason", reason, "duration", end.Sub(start))
 	}
 	return end
+}
+
+// call runs Fn, turning a panic into a *PanicError, returned both as
+// panicked and as err (an error Fn returns is never taken for a panic of its own,
+// even a *PanicError: Fn has then logged it).
+func (r *BoundedFrequencyRunner) call(ctx context.Context) (panicked *PanicError, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			panicked = NewPanicError(p)
+			err = panicked
+		}
+	}()
+	return nil, r.fn(ctx)
+}
+
+// retryWait is the wait before retrying after the given number of
+// consecutive failures (at least one): RetryInterval doubled for each
+// failure after the first, spread by RetryJitter, never above MaxInterval
+// (by then the periodic run is due anyway).
+func (r *BoundedFrequencyRunner) retryWait(failures int) time.Duration {
+	wait := r.retryInterval
+	for i := 1; i < failures && wait < r.maxInterval; i++ {
+		wait *= 2
+	}
+	wait = min(wait, r.maxInterval)
+	if r.retryJitter > 0 {
+		spread := 1 + r.retryJitter*(2*r.rand()-1)
+		wait = time.Duration(float64(wait) * spread)
+	}
+	return min(wait, r.maxInterval)
+}
+
+// PanicError is a panic recovered from a run, with the stack where it was
+// recovered.
+type PanicError struct {
+	// Value is what was passed to panic.
+	Value any
+	// Stack is the goroutine's stack at the recovery.
+	Stack []byte
+}
+
+// NewPanicError wraps a recovered panic value with the current stack; call
+// it in the deferred function that recovered.
+func NewPanicError(value any) *PanicError {
+	return &PanicError{Value: value, Stack: debug.Stack()}
+}
+
+func (e *PanicError) Error() string { return fmt.Sprintf("panic: %v", e.Value) }
+
+// Unwrap returns the panic value when it is an error.
+func (e *PanicError) Unwrap() error {
+	if err, ok := e.Value.(error); ok {
+		return err
+	}
+	return nil
 }

@@ -3,6 +3,7 @@ package runner
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -35,6 +36,9 @@ func TestNewBoundedFrequencyRunnerValidation(t *testing.T) {
 		{name: "negative MinInterval", modify: func(o *Options) { o.MinInterval = -time.Second }, wantErr: []string{"MinInterval"}},
 		{name: "zero RetryInterval", modify: func(o *Options) { o.RetryInterval = 0 }, wantErr: []string{"RetryInterval"}},
 		{name: "negative RetryInterval", modify: func(o *Options) { o.RetryInterval = -time.Second }, wantErr: []string{"RetryInterval"}},
+		{name: "RetryJitter 0.2 is valid", modify: func(o *Options) { o.RetryJitter = 0.2 }},
+		{name: "negative RetryJitter", modify: func(o *Options) { o.RetryJitter = -0.1 }, wantErr: []string{"RetryJitter"}},
+		{name: "RetryJitter of 1", modify: func(o *Options) { o.RetryJitter = 1 }, wantErr: []string{"RetryJitter"}},
 		{
 			name:    "every problem is reported",
 			modify:  func(o *Options) { o.Fn, o.RetryInterval, o.MaxInterval = nil, 0, 0 },
@@ -202,9 +206,67 @@ func TestBoundedFrequencyRunner(t *testing.T) {
 				startLoop(), expectWait(maxI),
 				request(), expectRun(0), finish(errSync),
 				expectWait(retryI), advance(retryI), expectRun(retryI), finish(errSync),
-				expectWait(2 * retryI), advance(retryI), expectRun(2 * retryI), finish(nil),
-				expectWait(2*retryI + maxI), advance(maxI), expectRun(2*retryI + maxI), finish(nil),
-				expectWait(2*retryI + 2*maxI),
+				// The second consecutive failure waits twice as long.
+				expectWait(3 * retryI), advance(2 * retryI), expectRun(3 * retryI), finish(nil),
+				expectWait(3*retryI + maxI), advance(maxI), expectRun(3*retryI + maxI), finish(nil),
+				expectWait(3*retryI + 2*maxI),
+			},
+		},
+		{
+			// 3s, 6s, then 12s capped at the 10s max interval; a success
+			// starts again at 3s.
+			name: "consecutive failures back off exponentially up to the max interval, reset by a success",
+			steps: []step{
+				startLoop(), expectWait(maxI),
+				request(), expectRun(0), finish(errSync),
+				expectWait(3 * time.Second), advance(3 * time.Second), expectRun(3 * time.Second), finish(errSync),
+				expectWait(9 * time.Second), advance(6 * time.Second), expectRun(9 * time.Second), finish(errSync),
+				expectWait(19 * time.Second), advance(10 * time.Second), expectRun(19 * time.Second), finish(errSync),
+				expectWait(29 * time.Second), advance(10 * time.Second), expectRun(29 * time.Second), finish(nil),
+				expectWait(39 * time.Second), advance(10 * time.Second), expectRun(39 * time.Second), finish(errSync),
+				expectWait(42 * time.Second),
+			},
+		},
+		{
+			name: "a request during backoff still runs after the min interval, and its failure backs off further",
+			steps: []step{
+				startLoop(), expectWait(maxI),
+				request(), expectRun(0), finish(errSync), expectWait(3 * time.Second),
+				request(), expectWait(minI), advance(minI), expectRun(minI), finish(errSync),
+				expectWait(minI + 6*time.Second),
+			},
+		},
+		{
+			// spread = 1 + 0.2 * (2*rand - 1): rand 0.25 gives 0.9.
+			name: "jitter shortens a retry",
+			opts: func(o *Options) { o.RetryJitter, o.Rand = 0.2, func() float64 { return 0.25 } },
+			steps: []step{
+				startLoop(), expectWait(maxI),
+				request(), expectRun(0), finish(errSync),
+				expectWait(2700 * time.Millisecond), advance(2700 * time.Millisecond), expectRun(2700 * time.Millisecond), finish(errSync),
+				expectWait(2700*time.Millisecond + 5400*time.Millisecond),
+			},
+		},
+		{
+			// rand 0.75 gives 1.1: 3.3s, 6.6s, then 11s capped at 10s.
+			name: "jitter lengthens a retry, never past the max interval",
+			opts: func(o *Options) { o.RetryJitter, o.Rand = 0.2, func() float64 { return 0.75 } },
+			steps: []step{
+				startLoop(), expectWait(maxI),
+				request(), expectRun(0), finish(errSync),
+				expectWait(3300 * time.Millisecond), advance(3300 * time.Millisecond), expectRun(3300 * time.Millisecond), finish(errSync),
+				expectWait(9900 * time.Millisecond), advance(6600 * time.Millisecond), expectRun(9900 * time.Millisecond), finish(errSync),
+				expectWait(19900 * time.Millisecond),
+			},
+		},
+		{
+			name: "a panicking run is recovered and retried like a failure",
+			steps: []step{
+				startLoop(), expectWait(maxI),
+				request(), expectRun(0), finishPanic("boom"),
+				expectWait(retryI), advance(retryI), expectRun(retryI), finishPanic(errSync),
+				expectWait(3 * retryI), advance(2 * retryI), expectRun(3 * retryI), finish(nil),
+				expectWait(3*retryI + maxI),
 			},
 		},
 		{
@@ -571,11 +633,20 @@ func (h *harness) fn(context.Context) error {
 	}
 	select {
 	case err := <-c.result:
+		var p panicWith
+		if errors.As(err, &p) {
+			panic(p.value)
+		}
 		return err
 	case <-h.stop:
 		return errHarnessStopped
 	}
 }
+
+// panicWith, given to a run as its result, makes Fn panic with value.
+type panicWith struct{ value any }
+
+func (p panicWith) Error() string { return fmt.Sprintf("panic with %v", p.value) }
 
 func (h *harness) do(steps ...step) {
 	h.t.Helper()
@@ -645,6 +716,9 @@ func finish(err error) step {
 		h.current = nil
 	}
 }
+
+// finishPanic makes the run in progress panic with value.
+func finishPanic(value any) step { return finish(panicWith{value}) }
 
 // expectWait waits for the next loop event and requires it to be the loop
 // going idle until the given offset from the start of the test (unless woken

@@ -281,6 +281,16 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	})
 	defer svcHealth.Close()
 
+	factories, err := config.NewInformerFactories(config.InformerOptions{
+		Client: client, NodeName: name, ResyncPeriod: o.ConfigSyncPeriod, ServiceProxyName: o.ServiceProxyName,
+	})
+	if err != nil {
+		return err
+	}
+	// The engines find the Service of a set-aside port in the informer's
+	// cache, so that its Warning event carries the Service's UID.
+	svcLister := factories.Services.Core().V1().Services().Lister()
+
 	engines := map[v1.IPFamily]proxier.Proxier{}
 	for _, fam := range sets.List(families) {
 		i, np := ipts[fam], npAddrs[fam]
@@ -315,8 +325,13 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 				m.SyncQueued(fam, at)
 			},
 			OnSync: func(r proxier.SyncResult) { afterSync(r, m, health, svcHealth) },
-			// Stale UDP conntrack entries and Service events.
+			// A sync loop stuck in a sync makes health fail.
+			OnLoopRan: func(time.Time) { health.SyncLoopRan(fam) },
+			// Stale UDP conntrack entries and Service events; the events
+			// of one family's state (set-aside ports, skipped endpoints)
+			// come from each engine.
 			Conntrack: ct, EventRecorder: serviceEventRecorder(fam, recorder),
+			FamilyEventRecorder: recorder, ServiceLister: svcLister,
 		})
 		if err != nil {
 			return err
@@ -329,12 +344,6 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		p = proxier.NewMetaProxier(engines[v1.IPv4Protocol], v6)
 	}
 
-	factories, err := config.NewInformerFactories(config.InformerOptions{
-		Client: client, NodeName: name, ResyncPeriod: o.ConfigSyncPeriod, ServiceProxyName: o.ServiceProxyName,
-	})
-	if err != nil {
-		return err
-	}
 	svcCfg, err := config.NewServiceConfig(ctx, factories.Services.Core().V1().Services(), o.ConfigSyncPeriod)
 	if err != nil {
 		return err
