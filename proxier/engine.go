@@ -467,7 +467,7 @@ func (e *Engine) syncLocked(ctx context.Context) (result SyncResult, ran bool) {
 		if full {
 			e.lastFullSync = start
 		}
-		result.SetAside = e.noteSetAside(backendResult.SetAside, changed, full)
+		result.SetAside = e.noteSetAside(backendResult.SetAside, changed, full || backendResult.Full)
 		e.cleanStaleConntrack(ctx)
 		e.logger.V(2).Info("Synced", "full", full, "servicePorts", len(state.Services), "changedServices", changed.Len(),
 			"setAside", len(result.SetAside), "duration", result.Duration)

@@ -30,6 +30,11 @@ type BackendResult struct {
 	// engine reports them (Warning Event, gauge, log). A sync whose only
 	// failures are set-aside service ports returns a nil error.
 	SetAside map[ServicePortName]error
+	// Full says that the backend rewrote everything although the engine
+	// asked for a partial sync (it repaired a table someone changed, or
+	// recovered from a failed partial sync): SetAside then names every
+	// refused service port, not only changed ones.
+	Full bool
 }
 
 // SyncResult describes one sync attempt, for metrics and health.

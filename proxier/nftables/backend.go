@@ -334,6 +334,7 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 		RulesWritten:  map[string]int{"nat": st.RulesWritten["nat"], "filter": st.RulesWritten["filter"]},
 		ChainsWritten: st.ChainsWritten, ChainsDeleted: st.ChainsDeleted,
 		KernelWrites: st.Transactions, KernelTime: st.KernelTime,
+		Full: st.Full && !full,
 	}, nil
 }
 
