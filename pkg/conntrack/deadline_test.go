@@ -21,7 +21,7 @@ import (
 func TestRealDeadline(t *testing.T) {
 	netnstest.RequireRoot(t)
 	ns := netnstest.New(t, "ct")
-	const timeout = 200 * time.Millisecond
+	const timeout = time.Second
 	const slack = 3 * time.Second
 	r, err := New(Options{NetNS: ns.Name, Timeout: timeout})
 	if err != nil {

@@ -14,8 +14,8 @@ import (
 )
 
 // hangScript writes a shell script that records its pid and its child's
-// in dir, prints a line on stderr, then waits for a child that sleeps
-// forever: a hung program with a process of its own.
+// in dir, prints a line on stderr, creates dir/ready, then waits for a
+// child that sleeps forever: a hung program with a process of its own.
 func hangScript(t *testing.T, dir string) string {
 	t.Helper()
 	path := filepath.Join(dir, "hang")
@@ -24,6 +24,7 @@ echo $$ > %[1]s/parent
 /bin/sleep 100000 &
 echo $! > %[1]s/child
 echo "waiting for the lock" >&2
+: > %[1]s/ready
 wait
 `, dir)
 	if err := os.WriteFile(path, []byte(script), 0o755); err != nil {
@@ -67,8 +68,8 @@ func TestCommandKillsProcessGroup(t *testing.T) {
 		// own is the call's timeout; caller the caller's (0: none).
 		own, caller time.Duration
 	}{
-		{name: "own timeout", own: 300 * time.Millisecond},
-		{name: "caller's deadline", own: time.Hour, caller: 300 * time.Millisecond},
+		{name: "own timeout", own: time.Second},
+		{name: "caller's deadline", own: time.Hour, caller: time.Second},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
@@ -85,10 +86,25 @@ func TestCommandKillsProcessGroup(t *testing.T) {
 			var stderr bytes.Buffer
 			cmd.Stderr = &stderr
 			start := time.Now()
-			runErr := cmd.Run()
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			// A loaded machine may take longer than the deadline to start
+			// the script: then there is no hung process to check.
+			for {
+				if _, err := os.Stat(filepath.Join(dir, "ready")); err == nil {
+					break
+				}
+				if ctx.Err() != nil {
+					_ = cmd.Wait()
+					t.Skipf("the script was not running by its deadline (%v)", time.Since(start))
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			runErr := cmd.Wait()
 			elapsed := time.Since(start)
 			err := CommandError(ctx, "hang", tc.own, elapsed, strings.TrimSpace(stderr.String()), runErr)
-			if elapsed > 300*time.Millisecond+slack {
+			if elapsed > time.Second+slack {
 				t.Errorf("returned after %v", elapsed)
 			}
 			if !IsTimeout(err) || !errors.Is(err, context.DeadlineExceeded) {
@@ -102,7 +118,7 @@ func TestCommandKillsProcessGroup(t *testing.T) {
 			for _, name := range []string{"parent", "child"} {
 				pid := readPid(t, filepath.Join(dir, name))
 				for !goneOrZombie(pid) {
-					if time.Since(start) > 300*time.Millisecond+slack {
+					if time.Since(start) > time.Second+slack {
 						t.Fatalf("%s process %d still runs", name, pid)
 					}
 					time.Sleep(10 * time.Millisecond)

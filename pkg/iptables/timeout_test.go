@@ -107,7 +107,7 @@ func TestRealHungCommandsTimeOut(t *testing.T) {
 	dir, pids := hungBinaries(t)
 	t.Setenv("PATH", dir)
 	const (
-		short = 300 * time.Millisecond
+		short = time.Second
 		long  = time.Hour
 	)
 	cases := []struct {
@@ -306,7 +306,13 @@ func TestRealXtablesLock(t *testing.T) {
 	})
 	t.Run("a lock released during the wait lets the restore through", func(t *testing.T) {
 		patient := open(iptables.Options{WaitSeconds: 30})
-		time.AfterFunc(300*time.Millisecond, func() { _ = syscall.Flock(int(lock.Fd()), syscall.LOCK_UN) })
+		fd := int(lock.Fd())
+		released := make(chan struct{})
+		time.AfterFunc(300*time.Millisecond, func() {
+			defer close(released)
+			_ = syscall.Flock(fd, syscall.LOCK_UN)
+		})
+		defer func() { <-released }()
 		start := time.Now()
 		if err := patient.Restore(ctx, change); err != nil {
 			t.Fatalf("Restore: %v", err)

@@ -75,7 +75,7 @@ func runningPids(t *testing.T, dir string) []int {
 // behind.
 func TestExecNFTHungTimesOut(t *testing.T) {
 	path, pids := hungNFT(t)
-	const short = 300 * time.Millisecond
+	const short = time.Second
 	small := func(tx *knftables.Transaction) { tx.Add(&knftables.Table{}) }
 	large := func(tx *knftables.Transaction) {
 		tx.Add(&knftables.Table{})
