@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	vnl "github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
@@ -20,6 +21,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/kproxy/kproxy/pkg/deadline"
 	"github.com/kproxy/kproxy/pkg/netlink"
 )
 
@@ -29,6 +31,9 @@ type Options struct {
 	// netns add`) whose sets the Real manages; for tests and tools. Empty
 	// means the current namespace.
 	NetNS string
+	// Timeout bounds each call (see Real); zero means
+	// netlink.DefaultTimeout.
+	Timeout time.Duration
 }
 
 // revisions are the set type revisions Real creates: the first of each
@@ -57,11 +62,21 @@ var revisions = map[Type]uint8{
 // entries, and their type and family let AddEntry and DelEntry refuse
 // unfitting entries with ErrInvalidEntry before asking the kernel. Safe
 // for concurrent use.
+//
+// Every call ends by its deadline (Options.Timeout or the caller's,
+// whichever is earlier) with an error wrapping context.DeadlineExceeded: a
+// netlink request cannot be cancelled, so the call runs under a
+// deadline.Guard, and both sockets' send and receive timeouts are the
+// same, so that an abandoned call waiting for its answer ends too
+// (docs/design.md, "Deadlines on kernel calls").
 type Real struct {
 	h   *vnl.Handle
 	raw *nl.NetlinkSocket
 	// rawSockets makes nl requests use raw.
 	rawSockets map[int]*nl.SocketHandle
+
+	timeout time.Duration
+	guard   deadline.Guard
 
 	mu   sync.Mutex
 	sets map[string]Set // by name, as last ensured
@@ -91,17 +106,28 @@ func New(opts Options) (*Real, error) {
 		h.Close()
 		return nil, fmt.Errorf("opening netfilter netlink socket in %s: %w", where, err)
 	}
+	timeout := opts.Timeout
+	if timeout <= 0 {
+		timeout = netlink.DefaultTimeout
+	}
+	tv := unix.NsecToTimeval(timeout.Nanoseconds())
 	for _, set := range []func(*unix.Timeval) error{raw.SetSendTimeout, raw.SetReceiveTimeout} {
-		if err := set(&nl.SocketTimeoutTv); err != nil {
+		if err := set(&tv); err != nil {
 			h.Close()
 			raw.Close()
 			return nil, fmt.Errorf("setting netlink socket timeout: %w", err)
 		}
 	}
+	if err := h.SetSocketTimeout(timeout); err != nil {
+		h.Close()
+		raw.Close()
+		return nil, fmt.Errorf("setting netlink socket timeout: %w", err)
+	}
 	return &Real{
 		h:          h,
 		raw:        raw,
 		rawSockets: map[int]*nl.SocketHandle{unix.NETLINK_NETFILTER: {Socket: raw}},
+		timeout:    timeout,
 		sets:       map[string]Set{},
 	}, nil
 }
@@ -189,11 +215,12 @@ func kernelErr(err error) error {
 	return err
 }
 
-// EnsureSet implements Interface. A set met for the first time is created
-// exclusively; if it exists, its header is checked. Later calls for the
-// same set ask the kernel to create it unless an identical one exists,
-// which recreates a set destroyed behind kproxy's back.
-func (r *Real) EnsureSet(ctx context.Context, set Set) error {
+// ensureSet does EnsureSet's work, under its deadline. A set met for the
+// first time is created exclusively; if it exists, its header is checked.
+// Later calls for the same set ask the kernel to create it unless an
+// identical one exists, which recreates a set destroyed behind kproxy's
+// back.
+func (r *Real) ensureSet(ctx context.Context, set Set) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -226,6 +253,53 @@ func (r *Real) EnsureSet(ctx context.Context, set Set) error {
 	r.mu.Unlock()
 	klog.FromContext(ctx).V(4).Info("Ensured ipset", "set", set.Name, "type", set.Type, "family", set.family())
 	return nil
+}
+
+// EnsureSet implements Interface.
+func (r *Real) EnsureSet(ctx context.Context, set Set) error {
+	return r.guard.Do(ctx, "ipset: ensuring set "+set.Name, r.timeout, func(ctx context.Context) error {
+		return r.ensureSet(ctx, set)
+	}, nil)
+}
+
+// DestroySet implements Interface.
+func (r *Real) DestroySet(ctx context.Context, name string) error {
+	return r.guard.Do(ctx, "ipset: destroying set "+name, r.timeout, func(ctx context.Context) error {
+		return r.destroySet(ctx, name)
+	}, nil)
+}
+
+// ListSets implements Interface.
+func (r *Real) ListSets(ctx context.Context) ([]string, error) {
+	return deadline.Call(ctx, &r.guard, "ipset: listing sets", r.timeout, r.listSets, nil)
+}
+
+// Entries implements Interface.
+func (r *Real) Entries(ctx context.Context, name string) ([]Entry, error) {
+	return deadline.Call(ctx, &r.guard, "ipset: listing entries of set "+name, r.timeout, func(ctx context.Context) ([]Entry, error) {
+		return r.entries(ctx, name)
+	}, nil)
+}
+
+// AddEntry implements Interface.
+func (r *Real) AddEntry(ctx context.Context, name string, e Entry) error {
+	return r.guard.Do(ctx, "ipset: adding an entry to set "+name, r.timeout, func(ctx context.Context) error {
+		return r.addEntry(ctx, name, e)
+	}, nil)
+}
+
+// DelEntry implements Interface.
+func (r *Real) DelEntry(ctx context.Context, name string, e Entry) error {
+	return r.guard.Do(ctx, "ipset: deleting an entry from set "+name, r.timeout, func(ctx context.Context) error {
+		return r.delEntry(ctx, name, e)
+	}, nil)
+}
+
+// FlushSet implements Interface.
+func (r *Real) FlushSet(ctx context.Context, name string) error {
+	return r.guard.Do(ctx, "ipset: flushing set "+name, r.timeout, func(ctx context.Context) error {
+		return r.flushSet(ctx, name)
+	}, nil)
 }
 
 func (r *Real) comment(name string) string {
@@ -288,8 +362,8 @@ func (r *Real) checkExisting(ctx context.Context, set Set) error {
 	return nil
 }
 
-// DestroySet implements Interface.
-func (r *Real) DestroySet(ctx context.Context, name string) error {
+// destroySet does DestroySet's work, under its deadline.
+func (r *Real) destroySet(ctx context.Context, name string) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -309,8 +383,9 @@ func (r *Real) DestroySet(ctx context.Context, name string) error {
 	return nil
 }
 
-// ListSets implements Interface. It asks the kernel for names only.
-func (r *Real) ListSets(ctx context.Context) ([]string, error) {
+// listSets does ListSets' work, under its deadline. It asks the kernel for
+// names only.
+func (r *Real) listSets(ctx context.Context) ([]string, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -326,9 +401,9 @@ func (r *Real) ListSets(ctx context.Context) ([]string, error) {
 	return slices.Compact(names), nil
 }
 
-// Entries implements Interface. Sets of other types than this package's
-// are refused.
-func (r *Real) Entries(ctx context.Context, name string) ([]Entry, error) {
+// entries does Entries' work, under its deadline. Sets of other types
+// than this package's are refused.
+func (r *Real) entries(ctx context.Context, name string) ([]Entry, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -379,8 +454,8 @@ func (r *Real) entryFor(name string, e Entry) (Entry, Type, error) {
 	return n, typ, err
 }
 
-// AddEntry implements Interface.
-func (r *Real) AddEntry(ctx context.Context, name string, e Entry) error {
+// addEntry does AddEntry's work, under its deadline.
+func (r *Real) addEntry(ctx context.Context, name string, e Entry) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -403,8 +478,8 @@ func (r *Real) AddEntry(ctx context.Context, name string, e Entry) error {
 	return nil
 }
 
-// DelEntry implements Interface.
-func (r *Real) DelEntry(ctx context.Context, name string, e Entry) error {
+// delEntry does DelEntry's work, under its deadline.
+func (r *Real) delEntry(ctx context.Context, name string, e Entry) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -424,8 +499,8 @@ func (r *Real) DelEntry(ctx context.Context, name string, e Entry) error {
 	return nil
 }
 
-// FlushSet implements Interface.
-func (r *Real) FlushSet(ctx context.Context, name string) error {
+// flushSet does FlushSet's work, under its deadline.
+func (r *Real) flushSet(ctx context.Context, name string) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -444,6 +519,12 @@ func (r *Real) FlushSet(ctx context.Context, name string) error {
 // deleting an absent one is no error. This is the request netlink's
 // IpsetAdd and IpsetDel build, minus the protocol attribute.
 func (r *Real) portRequest(cmd int, name string, port uint16, comment string) error {
+	_, err := r.newPortRequest(cmd, name, port, comment).Execute(unix.NETLINK_NETFILTER, 0)
+	return err
+}
+
+// newPortRequest builds portRequest's request, on the raw socket.
+func (r *Real) newPortRequest(cmd int, name string, port uint16, comment string) *nl.NetlinkRequest {
 	req := nl.NewNetlinkRequest(cmd|(unix.NFNL_SUBSYS_IPSET<<8), nl.GetIpsetFlags(cmd))
 	req.Sockets = r.rawSockets
 	req.AddData(&nl.Nfgenmsg{NfgenFamily: unix.AF_NETLINK, Version: nl.NFNETLINK_V0})
@@ -455,8 +536,7 @@ func (r *Real) portRequest(cmd int, name string, port uint16, comment string) er
 		data.AddChild(nl.NewRtAttr(nl.IPSET_ATTR_COMMENT, nl.ZeroTerminated(comment)))
 	}
 	req.AddData(data)
-	_, err := req.Execute(unix.NETLINK_NETFILTER, 0)
-	return err
+	return req
 }
 
 var protocolNumbers = map[string]uint8{ProtocolTCP: unix.IPPROTO_TCP, ProtocolUDP: unix.IPPROTO_UDP, ProtocolSCTP: unix.IPPROTO_SCTP}

@@ -1,6 +1,7 @@
 // Package iptables is kproxy's small interface to iptables and its real
-// implementation (iptables-restore, go-iptables), with the helpers rule
-// rendering needs (Comment, SplitArgs, JoinArgs). The in-memory fake, its
+// implementation (iptables, iptables-restore and iptables-save, each run
+// under a deadline), with the helpers rule rendering needs (Comment,
+// SplitArgs, JoinArgs). The in-memory fake, its
 // rule parser and the packet tracer live in package iptablestest, which
 // production code never imports.
 package iptables

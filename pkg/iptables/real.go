@@ -6,17 +6,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
-	"syscall"
+	"sync/atomic"
 	"time"
 
-	goiptables "github.com/coreos/go-iptables/iptables"
 	"k8s.io/klog/v2"
+
+	"github.com/kproxy/kproxy/pkg/deadline"
 )
 
 // Options configures the real implementation returned by New.
@@ -27,36 +27,73 @@ type Options struct {
 	Protocol Protocol
 	// NetNS, when set, runs every command inside that named network
 	// namespace (`ip netns exec NAME ...`); for tests and tools. Empty means
-	// the current namespace. The Real then owns a temporary directory that
-	// Close removes.
+	// the current namespace.
 	NetNS string
-	// WaitSeconds is how long a command waits for the xtables lock (-w).
-	// Zero means 5.
+	// WaitSeconds is how long a command waits for the xtables lock (-w),
+	// which iptables-legacy takes for every change: another program holding
+	// it longer makes the command fail (ErrLocked), and the sync be
+	// retried, instead of queueing behind it. Zero means 5 (kube-proxy's
+	// wait). iptables-nft takes no lock and ignores it.
 	WaitSeconds int
+	// Timeout bounds each single iptables command (a chain or rule
+	// operation, the version probe); zero means DefaultTimeout.
+	Timeout time.Duration
+	// RestoreTimeout bounds each iptables-restore and iptables-save run;
+	// zero means DefaultRestoreTimeout.
+	RestoreTimeout time.Duration
 }
 
-const defaultWaitSeconds = 5
+const (
+	defaultWaitSeconds = 5
+	// DefaultTimeout bounds a single iptables command: the xtables lock
+	// wait (5 s by default) plus the command itself, which with
+	// iptables-legacy reads and writes back the whole table, megabytes
+	// at 10,000 services. Six times the lock wait leaves room for a
+	// loaded node; a command slower than that is hung, not busy.
+	DefaultTimeout = 30 * time.Second
+	// DefaultRestoreTimeout bounds an iptables-restore or iptables-save
+	// run. The largest, a full restore at 10,000 services (tens of
+	// megabytes), takes seconds (a whole first sync of kproxy at 10,000
+	// services, informers included, measured 9.1 s), so a minute leaves
+	// a wide margin for a loaded node; a longer limit would only delay
+	// noticing a hang past the health check's tolerance (2 x the 30 s
+	// default sync period).
+	DefaultRestoreTimeout = 60 * time.Second
+)
 
-// Real is the Interface implementation for a real kernel. Single-rule and
-// chain operations, and the version and feature probes, go through
-// go-iptables; bulk changes and dumps run iptables-restore and iptables-save.
-// It holds no mutable state after New, so it is safe for concurrent use.
+// ErrLocked is an iptables command that gave up waiting for the xtables
+// lock, held by another program (Options.WaitSeconds): nothing was
+// changed, and a later attempt may succeed.
+var ErrLocked = errors.New("the xtables lock is held by another program")
+
+// Real is the Interface implementation for a real kernel. Every operation
+// runs a program, bounded by a deadline (Options.Timeout,
+// RestoreTimeout, and the caller's context): single-rule and chain
+// operations and the version probe run iptables; bulk changes and dumps
+// iptables-restore and iptables-save. A program still running at its
+// deadline is killed with its process group, and the operation fails with
+// an error that wraps context.DeadlineExceeded (docs/design.md, "Deadlines
+// on kernel calls"). After New a Real changes only when closed, so it is
+// safe for concurrent use.
 type Real struct {
 	protocol Protocol
 	netns    string
 
-	ipt *goiptables.IPTables
-
 	ipPath      string // `ip`, only with netns
+	mainPath    string
 	restorePath string
 	savePath    string
-	// wrapperDir holds the script go-iptables runs in place of iptables when
-	// netns is set; empty otherwise.
-	wrapperDir string
+
+	timeout, restoreTimeout time.Duration
 
 	version     string // e.g. "1.8.9"
 	mode        string // "nft" or "legacy"
-	restoreWait []string
+	randomFully bool
+	// wait is the lock-wait option of iptables commands, restoreWait
+	// iptables-restore's; empty when the version has none.
+	wait, restoreWait []string
+
+	closed atomic.Bool
 }
 
 var _ Interface = (*Real)(nil)
@@ -111,22 +148,24 @@ func parseIptablesVersion(out string) (iptablesVersion, error) {
 }
 
 // New finds the binaries for opts.Protocol, probes their version and returns
-// an Interface that runs them (inside opts.NetNS when set). With NetNS the
-// caller must Close the result.
+// an Interface that runs them (inside opts.NetNS when set).
 func New(ctx context.Context, opts Options) (Interface, error) {
-	r := &Real{protocol: opts.Protocol, netns: opts.NetNS}
+	r := &Real{protocol: opts.Protocol, netns: opts.NetNS, timeout: opts.Timeout, restoreTimeout: opts.RestoreTimeout}
 	if r.protocol == "" {
 		r.protocol = ProtocolIPv4
 	}
-	var (
-		base   string
-		family goiptables.Protocol
-	)
+	if r.timeout <= 0 {
+		r.timeout = DefaultTimeout
+	}
+	if r.restoreTimeout <= 0 {
+		r.restoreTimeout = DefaultRestoreTimeout
+	}
+	var base string
 	switch r.protocol {
 	case ProtocolIPv4:
-		base, family = "iptables", goiptables.ProtocolIPv4
+		base = "iptables"
 	case ProtocolIPv6:
-		base, family = "ip6tables", goiptables.ProtocolIPv6
+		base = "ip6tables"
 	default:
 		return nil, fmt.Errorf("unknown iptables protocol %q", opts.Protocol)
 	}
@@ -135,14 +174,13 @@ func New(ctx context.Context, opts Options) (Interface, error) {
 		wait = defaultWaitSeconds
 	}
 
-	var mainPath string
 	for _, b := range []struct {
 		dst  *string
 		name string
 		skip bool
 	}{
 		{&r.ipPath, "ip", r.netns == ""},
-		{&mainPath, base, false},
+		{&r.mainPath, base, false},
 		{&r.restorePath, base + "-restore", false},
 		{&r.savePath, base + "-save", false},
 	} {
@@ -156,97 +194,36 @@ func New(ctx context.Context, opts Options) (Interface, error) {
 		*b.dst = p
 	}
 
-	// go-iptables parses the backend but does not expose it, so the mode
-	// comes from a probe of our own. It runs before go-iptables' probe
-	// because its error carries stderr (for example a missing namespace).
-	out, err := r.run(ctx, nil, mainPath, "--version")
+	out, err := r.run(ctx, r.timeout, nil, r.mainPath, "--version")
 	if err != nil {
 		return nil, fmt.Errorf("probing %s version: %w", base, err)
 	}
-	probed, err := parseIptablesVersion(string(out))
+	v, err := parseIptablesVersion(string(out))
 	if err != nil {
 		return nil, fmt.Errorf("probing %s version: %w", base, err)
 	}
-
-	gipPath := mainPath
-	if r.netns != "" {
-		if gipPath, err = r.writeNetNSWrapper(base, mainPath); err != nil {
-			return nil, err
-		}
-	}
-	r.ipt, err = newGoIPTables(family, wait, gipPath)
-	if err != nil {
-		closeErr := r.Close()
-		return nil, errors.Join(fmt.Errorf("initialising go-iptables for %s: %w", gipPath, err), closeErr)
-	}
-	major, minor, patch := r.ipt.GetIptablesVersion()
-	v := iptablesVersion{major: major, minor: minor, patch: patch, mode: probed.mode}
 	r.version = v.String()
 	r.mode = v.mode
-	// iptables-restore takes -w with a timeout in seconds since 1.6.2.
+	r.randomFully = v.atLeast(1, 6, 2)
+	// iptables waits for the lock with -w since 1.4.20, for at most a
+	// number of seconds since 1.4.22; iptables-restore since 1.6.2.
+	switch {
+	case v.atLeast(1, 4, 22):
+		r.wait = []string{"-w", strconv.Itoa(wait)}
+	case v.atLeast(1, 4, 20):
+		r.wait = []string{"-w"}
+	}
 	if v.atLeast(1, 6, 2) {
 		r.restoreWait = []string{"-w", strconv.Itoa(wait)}
 	}
-	klog.FromContext(ctx).V(2).Info("Found iptables", "protocol", r.protocol, "version", r.version, "mode", r.mode, "netns", r.netns, "path", gipPath)
+	klog.FromContext(ctx).V(2).Info("Found iptables", "protocol", r.protocol, "version", r.version, "mode", r.mode, "netns", r.netns, "path", r.mainPath)
 	return r, nil
 }
 
-// writeNetNSWrapper writes, into a fresh private directory recorded in
-// r.wrapperDir, an executable named base that runs mainPath inside r.netns.
-// go-iptables runs it in place of iptables, for operations and for its
-// `--version` probe (it derives nothing else from the path). It returns the
-// script's path.
-func (r *Real) writeNetNSWrapper(base, mainPath string) (string, error) {
-	dir, err := os.MkdirTemp("", "kproxy-iptables-*")
-	if err != nil {
-		return "", fmt.Errorf("creating the %s wrapper for netns %s: %w", base, r.netns, err)
-	}
-	r.wrapperDir = dir
-	script := fmt.Sprintf("#!/bin/sh\nexec %s netns exec %s %s \"$@\"\n",
-		shellQuote(r.ipPath), shellQuote(r.netns), shellQuote(mainPath))
-	path := filepath.Join(dir, base)
-	if err := os.WriteFile(path, []byte(script), 0o700); err != nil {
-		return "", errors.Join(fmt.Errorf("writing the %s wrapper for netns %s: %w", base, r.netns, err), r.Close())
-	}
-	return path, nil
-}
-
-// newGoIPTables initialises go-iptables, which runs path --version. A
-// wrapper script just written by writeNetNSWrapper can fail that with
-// ETXTBSY: a child forked by another goroutine while the script was open for
-// writing still holds the descriptor until it execs (Go issue 22315). That
-// window is short, so the probe is retried for up to two seconds.
-func newGoIPTables(family goiptables.Protocol, wait int, path string) (*goiptables.IPTables, error) {
-	var err error
-	for attempt := 0; attempt < 40; attempt++ {
-		var ipt *goiptables.IPTables
-		ipt, err = goiptables.New(goiptables.IPFamily(family), goiptables.Timeout(wait), goiptables.Path(path))
-		if err == nil {
-			return ipt, nil
-		}
-		if !strings.Contains(err.Error(), syscall.ETXTBSY.Error()) {
-			return nil, err
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	return nil, err
-}
-
-// shellQuote quotes s as one POSIX shell word.
-func shellQuote(s string) string {
-	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
-}
-
-// Close removes the temporary directory New made for Options.NetNS; single
-// rule and chain operations fail afterwards. Without NetNS it does nothing.
-// It may be called more than once.
+// Close makes every later operation fail. It holds no resources; it may be
+// called more than once.
 func (r *Real) Close() error {
-	if r.wrapperDir == "" {
-		return nil
-	}
-	if err := os.RemoveAll(r.wrapperDir); err != nil {
-		return fmt.Errorf("removing the iptables wrapper directory: %w", err)
-	}
+	r.closed.Store(true)
 	return nil
 }
 
@@ -260,53 +237,49 @@ func (r *Real) Mode() string { return r.mode }
 func (r *Real) Protocol() Protocol { return r.protocol }
 
 // HasRandomFully implements Interface.
-func (r *Real) HasRandomFully() bool { return r.ipt.HasRandomFully() }
+func (r *Real) HasRandomFully() bool { return r.randomFully }
 
 // EnsureChain implements Interface.
 func (r *Real) EnsureChain(ctx context.Context, table Table, chain Chain) (bool, error) {
-	err := r.call(ctx, "NewChain", table, chain, nil, func() error {
-		return r.ipt.NewChain(string(table), string(chain))
-	})
+	err := r.iptables(ctx, table, "-N", string(chain))
 	if err == nil {
 		return false, nil
 	}
-	if exitStatus(err) == 1 && strings.Contains(err.Error(), "already exists") {
+	if exitStatus(err) == 1 && strings.Contains(execStderr(err), "already exists") {
 		return true, nil
 	}
 	return false, fmt.Errorf("creating chain %s in table %s: %w", chain, table, err)
 }
 
-// ChainExists implements Interface.
+// ChainExists implements Interface. Listing the chain's first rule fails
+// with status 1 exactly when the chain is absent.
 func (r *Real) ChainExists(ctx context.Context, table Table, chain Chain) (bool, error) {
-	var exists bool
-	err := r.call(ctx, "ChainExists", table, chain, nil, func() (err error) {
-		exists, err = r.ipt.ChainExists(string(table), string(chain))
-		return err
-	})
-	if err != nil {
-		return false, fmt.Errorf("checking chain %s in table %s: %w", chain, table, err)
+	err := r.iptables(ctx, table, "-S", string(chain), "1")
+	switch {
+	case err == nil:
+		return true, nil
+	case exitStatus(err) == 1:
+		return false, nil
 	}
-	return exists, nil
+	return false, fmt.Errorf("checking chain %s in table %s: %w", chain, table, err)
 }
 
 // ListChains implements Interface. It reads the chain declarations at the
 // head of iptables-save's output and stops it there: the rules that follow
 // are most of a large table's dump (tens of megabytes at 10,000 services),
-// which reading whole, as `iptables -S` through go-iptables did, made every
-// full sync's memory peak.
+// which reading whole, as `iptables -S` would, made every full sync's
+// memory peak.
 func (r *Real) ListChains(ctx context.Context, table Table) ([]string, error) {
 	var chains []string
-	err := r.call(ctx, "ListChains", table, "", nil, func() error {
-		return r.scanLines(ctx, r.savePath, []string{"-t", string(table)}, func(line []byte) bool {
-			switch {
-			case bytes.HasPrefix(line, []byte(":")):
-				name, _, _ := bytes.Cut(line[1:], []byte(" "))
-				chains = append(chains, string(name))
-			case bytes.HasPrefix(line, []byte("-")), bytes.Equal(line, []byte("COMMIT")):
-				return false // the declarations are over
-			}
-			return true
-		})
+	err := r.scanLines(ctx, r.savePath, []string{"-t", string(table)}, func(line []byte) bool {
+		switch {
+		case bytes.HasPrefix(line, []byte(":")):
+			name, _, _ := bytes.Cut(line[1:], []byte(" "))
+			chains = append(chains, string(name))
+		case bytes.HasPrefix(line, []byte("-")), bytes.Equal(line, []byte("COMMIT")):
+			return false // the declarations are over
+		}
+		return true
 	})
 	if err != nil {
 		return nil, fmt.Errorf("listing chains in table %s: %w", table, err)
@@ -314,29 +287,36 @@ func (r *Real) ListChains(ctx context.Context, table Table) ([]string, error) {
 	return chains, nil
 }
 
+// exists reports whether the rule is in chain (`iptables -C`, which fails
+// with status 1 when it is not).
+func (r *Real) exists(ctx context.Context, table Table, chain Chain, args []string) (bool, error) {
+	err := r.iptables(ctx, table, append([]string{"-C", string(chain)}, args...)...)
+	switch {
+	case err == nil:
+		return true, nil
+	case exitStatus(err) == 1:
+		return false, nil
+	}
+	return false, err
+}
+
 // EnsureRule implements Interface.
 func (r *Real) EnsureRule(ctx context.Context, position RulePosition, table Table, chain Chain, args ...string) (bool, error) {
 	if position != Prepend && position != Append {
 		return false, fmt.Errorf("unknown rule position %q", position)
 	}
-	var exists bool
-	err := r.call(ctx, "Exists", table, chain, args, func() (err error) {
-		exists, err = r.ipt.Exists(string(table), string(chain), args...)
-		return err
-	})
+	exists, err := r.exists(ctx, table, chain, args)
 	switch {
 	case err != nil:
 		return false, fmt.Errorf("checking rule in %s/%s: %w", table, chain, err)
 	case exists:
 		return true, nil
 	}
-	err = r.call(ctx, string(position), table, chain, args, func() error {
-		if position == Prepend {
-			return r.ipt.Insert(string(table), string(chain), 1, args...)
-		}
-		return r.ipt.Append(string(table), string(chain), args...)
-	})
-	if err != nil {
+	op := []string{"-A", string(chain)}
+	if position == Prepend {
+		op = []string{"-I", string(chain), "1"}
+	}
+	if err := r.iptables(ctx, table, append(op, args...)...); err != nil {
 		return false, fmt.Errorf("adding rule to %s/%s: %w", table, chain, err)
 	}
 	return false, nil
@@ -345,82 +325,64 @@ func (r *Real) EnsureRule(ctx context.Context, position RulePosition, table Tabl
 // DeleteRule implements Interface. A rule is also absent when its chain or
 // its jump target does not exist.
 func (r *Real) DeleteRule(ctx context.Context, table Table, chain Chain, args ...string) error {
-	err := r.call(ctx, "DeleteIfExists", table, chain, args, func() error {
-		return r.ipt.DeleteIfExists(string(table), string(chain), args...)
-	})
+	exists, err := r.exists(ctx, table, chain, args)
+	if err == nil && exists {
+		err = r.iptables(ctx, table, append([]string{"-D", string(chain)}, args...)...)
+	}
 	if err == nil || isNotExistError(err) {
 		return nil
 	}
 	return fmt.Errorf("deleting rule from %s/%s: %w", table, chain, err)
 }
 
-// FlushChain implements Interface. go-iptables' ClearChain creates a missing
-// chain, so an absent chain is detected first and left absent. A chain
-// deleted by someone else between the two steps is recreated empty.
+// FlushChain implements Interface. An absent chain is left absent. A chain
+// deleted by someone else between the check and the flush is not an
+// error.
 func (r *Real) FlushChain(ctx context.Context, table Table, chain Chain) error {
 	exists, err := r.ChainExists(ctx, table, chain)
 	if err != nil || !exists {
 		return err
 	}
-	err = r.call(ctx, "ClearChain", table, chain, nil, func() error {
-		return r.ipt.ClearChain(string(table), string(chain))
-	})
-	if err != nil {
-		return fmt.Errorf("flushing chain %s in table %s: %w", chain, table, err)
+	err = r.iptables(ctx, table, "-F", string(chain))
+	if err == nil || isNotExistError(err) {
+		return nil
 	}
-	return nil
+	return fmt.Errorf("flushing chain %s in table %s: %w", chain, table, err)
 }
 
 // DeleteChain implements Interface.
 func (r *Real) DeleteChain(ctx context.Context, table Table, chain Chain) error {
-	err := r.call(ctx, "DeleteChain", table, chain, nil, func() error {
-		return r.ipt.DeleteChain(string(table), string(chain))
-	})
+	err := r.iptables(ctx, table, "-X", string(chain))
 	if err == nil || isNotExistError(err) {
 		return nil
 	}
 	return fmt.Errorf("deleting chain %s in table %s: %w", chain, table, err)
 }
 
-// call runs one go-iptables operation, which takes no context: a context
-// already done fails it without running anything; the lock wait is bounded by
-// Options.WaitSeconds instead.
-func (r *Real) call(ctx context.Context, op string, table Table, chain Chain, args []string, f func() error) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	start := time.Now()
-	err := f()
-	if ge, ok := errors.AsType[*goiptables.Error](err); ok {
-		err = &opError{err: ge}
-	}
-	if logger := klog.FromContext(ctx); logger.V(4).Enabled() {
-		kv := []any{"op", op, "protocol", r.protocol, "table", table, "duration", time.Since(start)}
-		if chain != "" {
-			kv = append(kv, "chain", chain)
-		}
-		if len(args) > 0 {
-			kv = append(kv, "args", strings.Join(args, " "))
-		}
-		if r.netns != "" {
-			kv = append(kv, "netns", r.netns)
-		}
-		if err != nil {
-			kv = append(kv, "err", err)
-		}
-		logger.V(4).Info("Ran iptables operation", kv...)
-	}
+// iptables runs one iptables command on table, waiting for the xtables
+// lock as configured, within Options.Timeout.
+func (r *Real) iptables(ctx context.Context, table Table, args ...string) error {
+	argv := make([]string, 0, len(r.wait)+2+len(args))
+	argv = append(append(append(argv, r.wait...), "-t", string(table)), args...)
+	_, err := r.run(ctx, r.timeout, nil, r.mainPath, argv...)
 	return err
 }
 
-// exitStatus is the exit status of a failed go-iptables command, or -1 when
-// err is not one.
+// exitStatus is the exit status of a command that ran and failed, or -1.
 func exitStatus(err error) int {
-	var ge *goiptables.Error
-	if errors.As(err, &ge) {
-		return ge.ExitStatus()
+	if ee, ok := errors.AsType[*exec.ExitError](err); ok {
+		return ee.ExitCode()
 	}
 	return -1
+}
+
+// notExistMessages are what iptables says when a rule, a chain or a jump
+// target is absent.
+var notExistMessages = []string{
+	"Bad rule (does a matching rule exist in that chain?)",
+	"No chain/target/match by that name",
+	"No such file or directory",
+	"does not exist",
 }
 
 // isNotExistError reports whether err is iptables saying the rule, the chain
@@ -428,39 +390,33 @@ func exitStatus(err error) int {
 // parameter problem (a missing jump target); other statuses (3: missing
 // table, 4: resources) are real errors even when their message matches.
 func isNotExistError(err error) bool {
-	var ge *goiptables.Error
-	if !errors.As(err, &ge) {
+	if c := exitStatus(err); c != 1 && c != 2 {
 		return false
 	}
-	if c := ge.ExitStatus(); c != 1 && c != 2 {
+	msg := execStderr(err)
+	// "No such file or directory" also comes from a match extension that
+	// cannot be loaded; that is a broken rule, not an absent one.
+	if strings.Contains(msg, "Couldn't load match") {
 		return false
 	}
-	// go-iptables also counts "No such file or directory" from a match
-	// extension that cannot be loaded; that is a broken rule, not an absent
-	// one.
-	return ge.IsNotExist() && !strings.Contains(ge.Error(), "Couldn't load match")
+	for _, m := range notExistMessages {
+		if strings.Contains(msg, m) {
+			return true
+		}
+	}
+	return false
 }
-
-// opError is a failed go-iptables command, printed on one line without
-// iptables' usage hint; it unwraps to the *goiptables.Error.
-type opError struct {
-	err *goiptables.Error
-}
-
-func (e *opError) Error() string { return summarizeLines(e.err.Error()) }
-
-func (e *opError) Unwrap() error { return e.err }
 
 // Restore implements Interface. On failure the error carries
 // iptables-restore's message and, when it names a line, that input line.
 func (r *Real) Restore(ctx context.Context, data []byte) error {
 	args := append(append([]string{}, r.restoreWait...), "--noflush", "--counters")
-	_, err := r.run(ctx, data, r.restorePath, args...)
+	_, err := r.run(ctx, r.restoreTimeout, data, r.restorePath, args...)
 	if err == nil {
 		return nil
 	}
 	msg := fmt.Sprintf("%s failed", filepath.Base(r.restorePath))
-	if n, ok := restoreErrorLine(execStderr(err)); ok {
+	if n, ok := restoreErrorLine(execStderr(err)); ok && !deadline.IsTimeout(err) {
 		if line, ok := restoreInputLine(data, n); ok {
 			msg += fmt.Sprintf(" at input line %d %q", n, line)
 		}
@@ -470,21 +426,40 @@ func (r *Real) Restore(ctx context.Context, data []byte) error {
 
 // SaveInto implements Interface.
 func (r *Real) SaveInto(ctx context.Context, table Table) ([]byte, error) {
-	out, err := r.run(ctx, nil, r.savePath, "-t", string(table))
+	out, err := r.run(ctx, r.restoreTimeout, nil, r.savePath, "-t", string(table))
 	if err != nil {
 		return nil, fmt.Errorf("saving table %s: %w", table, err)
 	}
 	return out, nil
 }
 
-// run executes bin (inside the namespace when one is set), feeding stdin,
-// and returns stdout. Failures are *execError.
-func (r *Real) run(ctx context.Context, stdin []byte, bin string, args ...string) ([]byte, error) {
+// command returns the argv that runs bin with args, inside the namespace
+// when one is set.
+func (r *Real) command(bin string, args []string) []string {
 	argv := append([]string{bin}, args...)
 	if r.netns != "" {
 		argv = append([]string{r.ipPath, "netns", "exec", r.netns}, argv...)
 	}
-	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+	return argv
+}
+
+// errClosed fails operations after Close.
+var errClosed = errors.New("iptables interface is closed")
+
+// run executes bin (inside the namespace when one is set) within timeout
+// and ctx's deadline, feeding stdin, and returns stdout. Failures are
+// *execError; one that ran out of time also wraps a *deadline.Error.
+func (r *Real) run(ctx context.Context, timeout time.Duration, stdin []byte, bin string, args ...string) ([]byte, error) {
+	argv := r.command(bin, args)
+	if r.closed.Load() {
+		return nil, &execError{args: argv, err: errClosed}
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, &execError{args: argv, err: err}
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	cmd := deadline.Command(ctx, argv[0], argv[1:]...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout = &stdout
 	cmd.Stderr = &stderr
@@ -493,9 +468,10 @@ func (r *Real) run(ctx context.Context, stdin []byte, bin string, args ...string
 	}
 	start := time.Now()
 	err := cmd.Run()
+	elapsed := time.Since(start)
 	logger := klog.FromContext(ctx)
 	if logger.V(4).Enabled() {
-		kv := []any{"command", strings.Join(argv, " "), "duration", time.Since(start)}
+		kv := []any{"command", strings.Join(argv, " "), "duration", elapsed}
 		if stdin != nil {
 			kv = append(kv, "inputBytes", len(stdin))
 		}
@@ -505,27 +481,45 @@ func (r *Real) run(ctx context.Context, stdin []byte, bin string, args ...string
 		logger.V(4).Info("Ran iptables command", kv...)
 	}
 	if err != nil {
-		return stdout.Bytes(), &execError{args: argv, stderr: stderr.String(), err: err}
+		return stdout.Bytes(), commandError(ctx, bin, argv, timeout, elapsed, stderr.String(), err)
 	}
 	return stdout.Bytes(), nil
 }
 
-// scanLines runs bin (inside the namespace when one is set) and hands each
-// line of its output to fn until fn returns false; then it kills the
-// command, which only reads, and reports no error for it. Failures are
-// *execError.
-func (r *Real) scanLines(ctx context.Context, bin string, args []string, fn func(line []byte) bool) error {
-	argv := append([]string{bin}, args...)
-	if r.netns != "" {
-		argv = append([]string{r.ipPath, "netns", "exec", r.netns}, argv...)
+// commandError is the *execError of a failed command: the timeout when
+// ctx ended, ErrLocked when it gave up waiting for the xtables lock.
+func commandError(ctx context.Context, bin string, argv []string, timeout, elapsed time.Duration, stderr string, err error) error {
+	// The *execError prints stderr: the timeout carries no detail.
+	err = deadline.CommandError(ctx, filepath.Base(bin), timeout, elapsed, "", err)
+	ce := &execError{args: argv, stderr: stderr, err: err}
+	if exitStatus(err) == 4 && strings.Contains(stderr, "xtables lock") {
+		ce.locked = true
 	}
-	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+	return ce
+}
+
+// scanLines runs bin (inside the namespace when one is set) within
+// Options.RestoreTimeout and hands each line of its output to fn until fn
+// returns false; then it kills the command, which only reads, and reports
+// no error for it. Failures are *execError.
+func (r *Real) scanLines(ctx context.Context, bin string, args []string, fn func(line []byte) bool) error {
+	argv := r.command(bin, args)
+	if r.closed.Load() {
+		return &execError{args: argv, err: errClosed}
+	}
+	if err := ctx.Err(); err != nil {
+		return &execError{args: argv, err: err}
+	}
+	ctx, cancel := context.WithTimeout(ctx, r.restoreTimeout)
+	defer cancel()
+	cmd := deadline.Command(ctx, argv[0], argv[1:]...)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		return &execError{args: argv, err: err}
 	}
+	start := time.Now()
 	if err := cmd.Start(); err != nil {
 		return &execError{args: argv, err: err}
 	}
@@ -544,21 +538,24 @@ func (r *Real) scanLines(ctx context.Context, bin string, args []string, fn func
 	}
 	err = cmd.Wait()
 	switch {
-	case stopped:
+	case stopped && ctx.Err() == nil:
 		return nil
 	case err != nil:
-		return &execError{args: argv, stderr: stderr.String(), err: err}
+		return commandError(ctx, bin, argv, r.restoreTimeout, time.Since(start), stderr.String(), err)
 	case scanErr != nil:
 		return &execError{args: argv, stderr: stderr.String(), err: scanErr}
 	}
 	return nil
 }
 
-// execError is a failed command with its stderr.
+// execError is a failed command with its stderr. It unwraps to the
+// command's error (a *deadline.Error when it ran out of time) and, when
+// the command gave up waiting for the xtables lock, to ErrLocked.
 type execError struct {
 	args   []string
 	stderr string
 	err    error
+	locked bool
 }
 
 func (e *execError) Error() string {
@@ -583,7 +580,12 @@ func summarizeLines(text string) string {
 	return strings.Join(lines, "; ")
 }
 
-func (e *execError) Unwrap() error { return e.err }
+func (e *execError) Unwrap() []error {
+	if e.locked {
+		return []error{e.err, ErrLocked}
+	}
+	return []error{e.err}
+}
 
 func execStderr(err error) string {
 	var ce *execError

@@ -1,7 +1,6 @@
 package iptables
 
 import (
-	"os/exec"
 	"testing"
 )
 
@@ -91,30 +90,6 @@ func TestRealRestoreErrorLine(t *testing.T) {
 			text, ok := restoreInputLine(data, n)
 			if ok != (tc.wantText != "") || text != tc.wantText {
 				t.Errorf("input line %d = %q, %v; want %q", n, text, ok, tc.wantText)
-			}
-		})
-	}
-}
-
-func TestRealShellQuote(t *testing.T) {
-	cases := []struct {
-		name string
-		in   string
-	}{
-		{name: "plain", in: "kpt-ipt-0a1b2c3d"},
-		{name: "empty", in: ""},
-		{name: "spaces", in: "a b  c"},
-		{name: "single quotes", in: "it's 'quoted'"},
-		{name: "shell syntax", in: `$HOME "x" \ ; $(false) * ~`},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			out, err := exec.Command("/bin/sh", "-c", "printf %s "+shellQuote(tc.in)).Output()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if string(out) != tc.in {
-				t.Errorf("sh read %q back as %q", tc.in, out)
 			}
 		})
 	}

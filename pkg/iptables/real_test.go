@@ -125,7 +125,7 @@ func TestRealNewErrors(t *testing.T) {
 		{name: "missing iptables-restore", path: partial, want: "iptables-restore is required"},
 		{name: "missing ip6tables", opts: iptables.Options{Protocol: iptables.ProtocolIPv6}, path: partial, want: "ip6tables is required"},
 	}
-	// A failed New leaves no wrapper directory behind.
+	// A failed New leaves nothing behind.
 	tmp := t.TempDir()
 	t.Setenv("TMPDIR", tmp)
 	for _, tc := range cases {
@@ -158,10 +158,10 @@ func dirEntries(t *testing.T, dir string) []string {
 	return names
 }
 
-// TestRealNetNSWrapper checks the go-iptables path through the namespace
-// wrapper: rules land in the namespace and not in the host, and Close
-// removes the wrapper directory.
-func TestRealNetNSWrapper(t *testing.T) {
+// TestRealNetNS checks single-rule operations in a namespace: rules land in
+// the namespace and not in the host, nothing is left in TMPDIR, and
+// operations fail after Close.
+func TestRealNetNS(t *testing.T) {
 	netnstest.RequireRoot(t)
 	for _, f := range families {
 		t.Run(f.name, func(t *testing.T) {
@@ -173,18 +173,15 @@ func TestRealNetNSWrapper(t *testing.T) {
 				t.Fatal(err)
 			}
 			ipt := iface.(*iptables.Real)
-			closed := false
 			t.Cleanup(func() {
-				if !closed {
-					if err := ipt.Close(); err != nil {
-						t.Error(err)
-					}
+				if err := ipt.Close(); err != nil {
+					t.Error(err)
 				}
 			})
 			ctx := t.Context()
 			// The comment carries the namespace name, so the host cannot
 			// hold the same rule.
-			rule := []string{"-s", f.src, "-m", "comment", "--comment", "kpt wrapper " + ns.Name, "-j", "RETURN"}
+			rule := []string{"-s", f.src, "-m", "comment", "--comment", "kpt netns " + ns.Name, "-j", "RETURN"}
 			check := append([]string{"-w", "5", "-t", "nat", "-C", string(iptables.ChainPostrouting)}, rule...)
 			inNS := func() bool {
 				_, err := ns.Exec(context.Background(), f.bin, check...)
@@ -195,27 +192,6 @@ func TestRealNetNSWrapper(t *testing.T) {
 				name string
 				run  func(t *testing.T)
 			}{
-				{"wrapper script", func(t *testing.T) {
-					dirs := dirEntries(t, tmp)
-					if len(dirs) != 1 {
-						t.Fatalf("TMPDIR holds %q, want one wrapper directory", dirs)
-					}
-					script := filepath.Join(tmp, dirs[0], f.bin)
-					st, err := os.Stat(script)
-					if err != nil {
-						t.Fatal(err)
-					}
-					if st.Mode().Perm()&0o100 == 0 {
-						t.Errorf("%s mode %v, want executable", script, st.Mode())
-					}
-					body, err := os.ReadFile(script)
-					if err != nil {
-						t.Fatal(err)
-					}
-					if !strings.Contains(string(body), "netns exec '"+ns.Name+"'") {
-						t.Errorf("%s = %q, want it to enter %s", script, body, ns.Name)
-					}
-				}},
 				{"EnsureRule adds in the namespace only", func(t *testing.T) {
 					for i, want := range []bool{false, true} {
 						if existed, err := ipt.EnsureRule(ctx, iptables.Append, iptables.TableNAT, iptables.ChainPostrouting, rule...); err != nil || existed != want {
@@ -239,19 +215,22 @@ func TestRealNetNSWrapper(t *testing.T) {
 						}
 					}
 				}},
-				{"Close removes the wrapper directory", func(t *testing.T) {
+				{"nothing in TMPDIR", func(t *testing.T) {
+					if left := dirEntries(t, tmp); len(left) != 0 {
+						t.Fatalf("TMPDIR holds %q", left)
+					}
+				}},
+				{"operations fail after Close", func(t *testing.T) {
 					for range 2 {
 						if err := ipt.Close(); err != nil {
 							t.Fatal(err)
 						}
 					}
-					closed = true
-					if left := dirEntries(t, tmp); len(left) != 0 {
-						t.Fatalf("TMPDIR holds %q after Close", left)
-					}
-					// go-iptables has nothing left to run.
 					if _, err := ipt.EnsureRule(ctx, iptables.Append, iptables.TableNAT, iptables.ChainPostrouting, rule...); err == nil {
 						t.Fatal("EnsureRule succeeded after Close")
+					}
+					if err := ipt.Restore(ctx, []byte("*nat\nCOMMIT\n")); err == nil {
+						t.Fatal("Restore succeeded after Close")
 					}
 				}},
 			}

@@ -20,6 +20,9 @@ import (
 	vnl "github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/kproxy/kproxy/pkg/deadline"
+	"github.com/kproxy/kproxy/pkg/netlink"
 )
 
 // Options configures the real implementation returned by New.
@@ -28,6 +31,9 @@ type Options struct {
 	// netns add`) whose IPVS table the Real manages; for tests and tools.
 	// Empty means the current namespace.
 	NetNS string
+	// Timeout bounds each call (see Real); zero means
+	// netlink.DefaultTimeout.
+	Timeout time.Duration
 }
 
 // netnsDir is where `ip netns` keeps its named namespaces.
@@ -42,9 +48,25 @@ const ipvsFlagPersistent = 0x1
 // Real is the Interface implementation for a real kernel, over
 // github.com/moby/ipvs. Calls are serialized: the library's handle owns one
 // netlink socket that cannot carry concurrent requests.
+//
+// Every call ends by its deadline (Options.Timeout or the caller's,
+// whichever is earlier) with an error wrapping context.DeadlineExceeded.
+// A netlink request cannot be cancelled, so the call runs under a
+// deadline.Guard; and since the library waits for its answer forever
+// (it retries its socket's receive timeout), a call abandoned at its
+// deadline has its socket closed, which ends it, and the next call opens
+// a new one (docs/design.md, "Deadlines on kernel calls").
 type Real struct {
+	// open opens a handle on the Real's namespace.
+	open    func() (*mobyipvs.Handle, error)
+	timeout time.Duration
+	guard   deadline.Guard
+
 	mu sync.Mutex
-	h  *mobyipvs.Handle
+	// h is nil when the last call was abandoned (or before the first
+	// call, in tests); closed is set by Close.
+	h      *mobyipvs.Handle
+	closed bool
 }
 
 var _ Interface = (*Real)(nil)
@@ -58,27 +80,39 @@ func New(opts Options) (*Real, error) {
 		return nil, err
 	}
 	path := ""
+	where := "the current network namespace"
 	if opts.NetNS != "" {
 		path = filepath.Join(netnsDir, opts.NetNS)
 		if _, err := os.Stat(path); err != nil {
 			return nil, fmt.Errorf("network namespace %q: %w", opts.NetNS, err)
 		}
+		where = "network namespace " + opts.NetNS
 	}
-	h, err := mobyipvs.New(path)
-	if err != nil {
-		where := "the current network namespace"
-		if path != "" {
-			where = "network namespace " + opts.NetNS
-		}
-		return nil, fmt.Errorf("opening IPVS netlink socket in %s: %w", where, err)
+	r := &Real{
+		open: func() (*mobyipvs.Handle, error) {
+			h, err := mobyipvs.New(path)
+			if err != nil {
+				return nil, fmt.Errorf("opening IPVS netlink socket in %s: %w", where, err)
+			}
+			return h, nil
+		},
+		timeout: opts.Timeout,
 	}
-	return &Real{h: h}, nil
+	if r.timeout <= 0 {
+		r.timeout = netlink.DefaultTimeout
+	}
+	var err error
+	if r.h, err = r.open(); err != nil {
+		return nil, err
+	}
+	return r, nil
 }
 
 // Close releases the netlink socket.
 func (r *Real) Close() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.closed = true
 	if r.h != nil {
 		r.h.Close()
 		r.h = nil
@@ -86,27 +120,45 @@ func (r *Real) Close() error {
 	return nil
 }
 
-// do runs fn with the handle, after checking ctx.
-func (r *Real) do(ctx context.Context, fn func(h *mobyipvs.Handle) error) error {
+// do runs fn with the handle, after checking ctx, under the Real's
+// deadline; op names the library call in a timeout's error.
+func (r *Real) do(ctx context.Context, op string, fn func(h *mobyipvs.Handle) error) error {
+	_, err := doValue(ctx, r, op, func(h *mobyipvs.Handle) (struct{}, error) { return struct{}{}, fn(h) })
+	return err
+}
+
+// doValue is do for a call with a result. fn must not share variables
+// with its caller: an abandoned call goes on after doValue returned.
+func doValue[T any](ctx context.Context, r *Real, op string, fn func(h *mobyipvs.Handle) (T, error)) (T, error) {
+	var zero T
 	if err := ctx.Err(); err != nil {
-		return err
+		return zero, err
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.h == nil {
-		return errors.New("IPVS handle is closed")
+	if r.closed {
+		return zero, errors.New("IPVS handle is closed")
 	}
-	return fn(r.h)
+	if r.h == nil {
+		h, err := r.open()
+		if err != nil {
+			return zero, err
+		}
+		r.h = h
+	}
+	h := r.h
+	return deadline.Call(ctx, &r.guard, "IPVS "+op, r.timeout, func(context.Context) (T, error) { return fn(h) }, func() {
+		// Runs with r.mu held, before doValue returns.
+		h.Close()
+		r.h = nil
+	})
 }
 
 // Services implements Interface. Firewall-mark services and protocols
 // other than TCP, UDP and SCTP are left out.
 func (r *Real) Services(ctx context.Context) ([]*Service, error) {
-	var libs []*mobyipvs.Service
-	err := r.do(ctx, func(h *mobyipvs.Handle) error {
-		var err error
-		libs, err = h.GetServices()
-		return err
+	libs, err := doValue(ctx, r, "GetServices", func(h *mobyipvs.Handle) ([]*mobyipvs.Service, error) {
+		return h.GetServices()
 	})
 	if err != nil {
 		return nil, fmt.Errorf("listing IPVS services: %w", err)
@@ -126,7 +178,8 @@ func (r *Real) AddService(ctx context.Context, svc *Service) error {
 	if err := validateService(svc); err != nil {
 		return err
 	}
-	err := r.do(ctx, func(h *mobyipvs.Handle) error { return h.NewService(toLibService(svc)) })
+	ls := toLibService(svc)
+	err := r.do(ctx, "NewService", func(h *mobyipvs.Handle) error { return h.NewService(ls) })
 	if err != nil {
 		return fmt.Errorf("adding IPVS service %s: %w", svc.key(), serviceErr(svc, err))
 	}
@@ -139,7 +192,8 @@ func (r *Real) UpdateService(ctx context.Context, svc *Service) error {
 	if err := validateService(svc); err != nil {
 		return err
 	}
-	err := r.do(ctx, func(h *mobyipvs.Handle) error { return h.UpdateService(toLibService(svc)) })
+	ls := toLibService(svc)
+	err := r.do(ctx, "UpdateService", func(h *mobyipvs.Handle) error { return h.UpdateService(ls) })
 	if err != nil {
 		return fmt.Errorf("updating IPVS service %s: %w", svc.key(), serviceErr(svc, err))
 	}
@@ -152,7 +206,8 @@ func (r *Real) DeleteService(ctx context.Context, svc *Service) error {
 	if err := validateService(svc); err != nil {
 		return err
 	}
-	err := r.do(ctx, func(h *mobyipvs.Handle) error { return h.DelService(toLibService(svc)) })
+	ls := toLibService(svc)
+	err := r.do(ctx, "DelService", func(h *mobyipvs.Handle) error { return h.DelService(ls) })
 	if err != nil {
 		return fmt.Errorf("deleting IPVS service %s: %w", svc.key(), kernelErr(err))
 	}
@@ -167,15 +222,13 @@ func (r *Real) Destinations(ctx context.Context, svc *Service) ([]*Destination, 
 	if err := validateService(svc); err != nil {
 		return nil, err
 	}
-	var libs []*mobyipvs.Destination
-	err := r.do(ctx, func(h *mobyipvs.Handle) error {
-		ls := toLibService(svc)
-		var err error
-		libs, err = h.GetDestinations(ls)
+	ls := toLibService(svc)
+	libs, err := doValue(ctx, r, "GetDestinations", func(h *mobyipvs.Handle) ([]*mobyipvs.Destination, error) {
+		libs, err := h.GetDestinations(ls)
 		if err == nil && len(libs) == 0 {
 			_, err = h.GetService(ls)
 		}
-		return err
+		return libs, err
 	})
 	if err != nil {
 		return nil, fmt.Errorf("listing destinations of IPVS service %s: %w", svc.key(), kernelErr(err))
@@ -197,7 +250,8 @@ func (r *Real) AddDestination(ctx context.Context, svc *Service, dst *Destinatio
 	if err := validateDestination(svc, dst); err != nil {
 		return err
 	}
-	err := r.do(ctx, func(h *mobyipvs.Handle) error { return h.NewDestination(toLibService(svc), toLibDestination(dst)) })
+	ls, ld := toLibService(svc), toLibDestination(dst)
+	err := r.do(ctx, "NewDestination", func(h *mobyipvs.Handle) error { return h.NewDestination(ls, ld) })
 	if err != nil {
 		return fmt.Errorf("adding destination %s to IPVS service %s: %w", dst, svc.key(), kernelErr(err))
 	}
@@ -210,7 +264,8 @@ func (r *Real) UpdateDestination(ctx context.Context, svc *Service, dst *Destina
 	if err := validateDestination(svc, dst); err != nil {
 		return err
 	}
-	err := r.do(ctx, func(h *mobyipvs.Handle) error { return h.UpdateDestination(toLibService(svc), toLibDestination(dst)) })
+	ls, ld := toLibService(svc), toLibDestination(dst)
+	err := r.do(ctx, "UpdateDestination", func(h *mobyipvs.Handle) error { return h.UpdateDestination(ls, ld) })
 	if err != nil {
 		return fmt.Errorf("updating destination %s of IPVS service %s: %w", dst, svc.key(), kernelErr(err))
 	}
@@ -223,7 +278,8 @@ func (r *Real) DeleteDestination(ctx context.Context, svc *Service, dst *Destina
 	if err := validateDestination(svc, dst); err != nil {
 		return err
 	}
-	err := r.do(ctx, func(h *mobyipvs.Handle) error { return h.DelDestination(toLibService(svc), toLibDestination(dst)) })
+	ls, ld := toLibService(svc), toLibDestination(dst)
+	err := r.do(ctx, "DelDestination", func(h *mobyipvs.Handle) error { return h.DelDestination(ls, ld) })
 	if err != nil {
 		return fmt.Errorf("deleting destination %s of IPVS service %s: %w", netip.AddrPortFrom(dst.Address, dst.Port), svc.key(), kernelErr(err))
 	}
@@ -236,7 +292,7 @@ func (r *Real) SetTimeouts(ctx context.Context, t Timeouts) error {
 	if err := validateTimeouts(t); err != nil {
 		return err
 	}
-	err := r.do(ctx, func(h *mobyipvs.Handle) error {
+	err := r.do(ctx, "SetConfig", func(h *mobyipvs.Handle) error {
 		return h.SetConfig(&mobyipvs.Config{TimeoutTCP: t.TCP, TimeoutTCPFin: t.TCPFin, TimeoutUDP: t.UDP})
 	})
 	if err != nil {
@@ -248,11 +304,8 @@ func (r *Real) SetTimeouts(ctx context.Context, t Timeouts) error {
 
 // GetTimeouts implements Interface.
 func (r *Real) GetTimeouts(ctx context.Context) (Timeouts, error) {
-	var c *mobyipvs.Config
-	err := r.do(ctx, func(h *mobyipvs.Handle) error {
-		var err error
-		c, err = h.GetConfig()
-		return err
+	c, err := doValue(ctx, r, "GetConfig", func(h *mobyipvs.Handle) (*mobyipvs.Config, error) {
+		return h.GetConfig()
 	})
 	if err != nil {
 		return Timeouts{}, fmt.Errorf("reading IPVS timeouts: %w", err)

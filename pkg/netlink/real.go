@@ -7,11 +7,14 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"time"
 
 	vnl "github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/kproxy/kproxy/pkg/deadline"
 )
 
 // Options configures the real implementation returned by New.
@@ -20,13 +23,34 @@ type Options struct {
 	// netns add`) whose devices the Real manages; for tests and tools.
 	// Empty means the current namespace.
 	NetNS string
+	// Timeout bounds each call (see Real); zero means DefaultTimeout.
+	Timeout time.Duration
 }
+
+// DefaultTimeout bounds one call of the real implementations of this
+// package, pkg/ipset's and pkg/ipvs's: each is a request or two, or a dump
+// of one kind of object (a device's addresses, one set's entries, the IPVS
+// services), which the kernel answers in well under a second even at
+// 10,000 services. What can make one slow is a kernel lock it waits for
+// (RTNL, which other agents hold while they change devices and routes);
+// a call with no answer after 30 s is hung, and failing it makes the sync
+// fail and be retried.
+const DefaultTimeout = 30 * time.Second
 
 // Real is the Interface implementation for a real kernel. It holds one
 // route netlink socket (no XFRM or netfilter sockets, which kernels without
 // xfrm_user refuse), and is safe for concurrent use.
+//
+// Every call ends by its deadline (Options.Timeout or the caller's,
+// whichever is earlier) with an error wrapping context.DeadlineExceeded: a
+// netlink request cannot be cancelled, so the call runs under a
+// deadline.Guard, and the socket's send and receive timeouts are the
+// same, so that an abandoned call waiting for its answer ends too
+// (docs/design.md, "Deadlines on kernel calls").
 type Real struct {
-	h *vnl.Handle
+	h       *vnl.Handle
+	timeout time.Duration
+	guard   deadline.Guard
 }
 
 var _ Interface = (*Real)(nil)
@@ -34,29 +58,81 @@ var _ Interface = (*Real)(nil)
 // New opens a route netlink socket in opts.NetNS. The caller must Close
 // the result.
 func New(opts Options) (*Real, error) {
+	timeout := opts.Timeout
+	if timeout <= 0 {
+		timeout = DefaultTimeout
+	}
+	var h *vnl.Handle
 	if opts.NetNS == "" {
-		h, err := vnl.NewHandle(unix.NETLINK_ROUTE)
-		if err != nil {
+		var err error
+		if h, err = vnl.NewHandle(unix.NETLINK_ROUTE); err != nil {
 			return nil, fmt.Errorf("opening route netlink socket: %w", err)
 		}
-		return &Real{h: h}, nil
+	} else {
+		ns, err := netns.GetFromName(opts.NetNS)
+		if err != nil {
+			return nil, fmt.Errorf("opening network namespace %q: %w", opts.NetNS, err)
+		}
+		defer ns.Close()
+		if h, err = vnl.NewHandleAt(ns, unix.NETLINK_ROUTE); err != nil {
+			return nil, fmt.Errorf("opening route netlink socket in network namespace %q: %w", opts.NetNS, err)
+		}
 	}
-	ns, err := netns.GetFromName(opts.NetNS)
-	if err != nil {
-		return nil, fmt.Errorf("opening network namespace %q: %w", opts.NetNS, err)
+	if err := h.SetSocketTimeout(timeout); err != nil {
+		h.Close()
+		return nil, fmt.Errorf("setting the route netlink socket's timeout: %w", err)
 	}
-	defer ns.Close()
-	h, err := vnl.NewHandleAt(ns, unix.NETLINK_ROUTE)
-	if err != nil {
-		return nil, fmt.Errorf("opening route netlink socket in network namespace %q: %w", opts.NetNS, err)
-	}
-	return &Real{h: h}, nil
+	return &Real{h: h, timeout: timeout}, nil
 }
 
 // Close releases the socket.
 func (r *Real) Close() error {
 	r.h.Close()
 	return nil
+}
+
+// EnsureDummyDevice implements Interface.
+func (r *Real) EnsureDummyDevice(ctx context.Context, name string) (bool, error) {
+	return deadline.Call(ctx, &r.guard, "netlink: ensuring dummy device "+name, r.timeout, func(ctx context.Context) (bool, error) {
+		return r.ensureDummyDevice(ctx, name)
+	}, nil)
+}
+
+// DeleteDummyDevice implements Interface.
+func (r *Real) DeleteDummyDevice(ctx context.Context, name string) error {
+	return r.guard.Do(ctx, "netlink: deleting dummy device "+name, r.timeout, func(ctx context.Context) error {
+		return r.deleteDummyDevice(ctx, name)
+	}, nil)
+}
+
+// EnsureAddressBound implements Interface.
+func (r *Real) EnsureAddressBound(ctx context.Context, addr netip.Addr, dev string) (bool, error) {
+	return deadline.Call(ctx, &r.guard, fmt.Sprintf("netlink: binding %s to device %s", addr, dev), r.timeout, func(ctx context.Context) (bool, error) {
+		return r.ensureAddressBound(ctx, addr, dev)
+	}, nil)
+}
+
+// UnbindAddress implements Interface.
+func (r *Real) UnbindAddress(ctx context.Context, addr netip.Addr, dev string) error {
+	return r.guard.Do(ctx, fmt.Sprintf("netlink: unbinding %s from device %s", addr, dev), r.timeout, func(ctx context.Context) error {
+		return r.unbindAddress(ctx, addr, dev)
+	}, nil)
+}
+
+// ListBoundAddresses implements Interface.
+func (r *Real) ListBoundAddresses(ctx context.Context, dev string) ([]netip.Addr, error) {
+	return deadline.Call(ctx, &r.guard, "netlink: listing addresses of device "+dev, r.timeout, func(ctx context.Context) ([]netip.Addr, error) {
+		return r.listBoundAddresses(ctx, dev)
+	}, nil)
+}
+
+// LocalAddresses implements Interface.
+func (r *Real) LocalAddresses(ctx context.Context, excludeDevs ...string) ([]netip.Addr, error) {
+	// An abandoned call goes on reading them after LocalAddresses returned.
+	excludeDevs = slices.Clone(excludeDevs)
+	return deadline.Call(ctx, &r.guard, "netlink: listing local addresses", r.timeout, func(ctx context.Context) ([]netip.Addr, error) {
+		return r.localAddresses(ctx, excludeDevs...)
+	}, nil)
 }
 
 // link looks dev up; (nil, nil) when absent. Kernels that cannot look a
@@ -73,8 +149,8 @@ func (r *Real) link(ctx context.Context, dev string) (vnl.Link, error) {
 	return nil, err
 }
 
-// EnsureDummyDevice implements Interface.
-func (r *Real) EnsureDummyDevice(ctx context.Context, name string) (bool, error) {
+// ensureDummyDevice does EnsureDummyDevice's work, under its deadline.
+func (r *Real) ensureDummyDevice(ctx context.Context, name string) (bool, error) {
 	if err := ctx.Err(); err != nil {
 		return false, err
 	}
@@ -107,8 +183,8 @@ func (r *Real) EnsureDummyDevice(ctx context.Context, name string) (bool, error)
 	}
 }
 
-// DeleteDummyDevice implements Interface.
-func (r *Real) DeleteDummyDevice(ctx context.Context, name string) error {
+// deleteDummyDevice does DeleteDummyDevice's work, under its deadline.
+func (r *Real) deleteDummyDevice(ctx context.Context, name string) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -147,8 +223,8 @@ func (r *Real) findAddr(ctx context.Context, l vnl.Link, addr netip.Addr) (*vnl.
 	return nil, nil
 }
 
-// EnsureAddressBound implements Interface.
-func (r *Real) EnsureAddressBound(ctx context.Context, addr netip.Addr, dev string) (bool, error) {
+// ensureAddressBound does EnsureAddressBound's work, under its deadline.
+func (r *Real) ensureAddressBound(ctx context.Context, addr netip.Addr, dev string) (bool, error) {
 	if err := ctx.Err(); err != nil {
 		return false, err
 	}
@@ -185,9 +261,9 @@ func (r *Real) EnsureAddressBound(ctx context.Context, addr netip.Addr, dev stri
 	return false, nil
 }
 
-// UnbindAddress implements Interface. The address is removed with the
-// prefix length it has on dev, whatever that is.
-func (r *Real) UnbindAddress(ctx context.Context, addr netip.Addr, dev string) error {
+// unbindAddress does UnbindAddress's work, under its deadline. The address
+// is removed with the prefix length it has on dev, whatever that is.
+func (r *Real) unbindAddress(ctx context.Context, addr netip.Addr, dev string) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -212,8 +288,8 @@ func (r *Real) UnbindAddress(ctx context.Context, addr netip.Addr, dev string) e
 	return nil
 }
 
-// ListBoundAddresses implements Interface.
-func (r *Real) ListBoundAddresses(ctx context.Context, dev string) ([]netip.Addr, error) {
+// listBoundAddresses does ListBoundAddresses's work, under its deadline.
+func (r *Real) listBoundAddresses(ctx context.Context, dev string) ([]netip.Addr, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -234,8 +310,8 @@ func (r *Real) ListBoundAddresses(ctx context.Context, dev string) ([]netip.Addr
 	return collect(addrs, nil), nil
 }
 
-// LocalAddresses implements Interface.
-func (r *Real) LocalAddresses(ctx context.Context, excludeDevs ...string) ([]netip.Addr, error) {
+// localAddresses does LocalAddresses's work, under its deadline.
+func (r *Real) localAddresses(ctx context.Context, excludeDevs ...string) ([]netip.Addr, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}

@@ -10,8 +10,11 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"time"
 
 	"sigs.k8s.io/knftables"
+
+	"github.com/kproxy/kproxy/pkg/deadline"
 )
 
 // execNFT is the knftables.Interface the agent uses: knftables' own for
@@ -20,10 +23,15 @@ import (
 // Its errors are knftables' kind: knftables.IsNotFound and
 // IsAlreadyExists classify them as they would knftables' own, and a
 // position nft reports in the merged text is mapped back to the
-// transaction's line (tx.String()).
+// transaction's line (tx.String()). An nft still running at its deadline
+// (the caller's, or timeout) is killed with its process group, and the run
+// fails with an error wrapping context.DeadlineExceeded (docs/design.md,
+// "Deadlines on kernel calls").
 type execNFT struct {
 	knftables.Interface
 	path string
+	// timeout bounds each Run and Check.
+	timeout time.Duration
 	// noMerge sends the transaction as knftables renders it.
 	noMerge bool
 	// start starts nft (tests start it in a network namespace); nil is
@@ -40,7 +48,18 @@ type execOptions struct {
 	Table  string
 	// NoMerge sends transactions unmerged (for measuring the merge).
 	NoMerge bool
+	// Timeout bounds each Run and Check; zero means
+	// defaultNFTTimeout.
+	Timeout time.Duration
 }
+
+// defaultNFTTimeout bounds one nft run. The largest, the first
+// transaction at 10,000 services (every chain, map and element), takes a
+// few seconds (a whole first sync of kproxy at 10,000 services measured
+// 5.0 s), so a minute leaves a wide margin for a loaded node; a longer
+// limit would only delay noticing a hang past the health check's tolerance
+// (2 x the 30 s default sync period).
+const defaultNFTTimeout = 60 * time.Second
 
 func newExecNFT(opts execOptions) (*execNFT, error) {
 	inner, err := knftables.New(opts.Family, opts.Table, knftables.UseNetlink)
@@ -55,7 +74,11 @@ func newExecNFT(opts execOptions) (*execNFT, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &execNFT{Interface: inner, path: path, noMerge: opts.NoMerge, notFound: notFound, exists: exists}, nil
+	timeout := opts.Timeout
+	if timeout <= 0 {
+		timeout = defaultNFTTimeout
+	}
+	return &execNFT{Interface: inner, path: path, timeout: timeout, noMerge: opts.NoMerge, notFound: notFound, exists: exists}, nil
 }
 
 // knftablesErrors returns an error of each kind knftables classifies
@@ -94,7 +117,17 @@ func (n *execNFT) run(ctx context.Context, tx *knftables.Transaction, check bool
 	if check {
 		args = []string{"--check", "-f", "-"}
 	}
-	cmd := exec.CommandContext(ctx, n.path, args...)
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	timeout := n.timeout
+	if timeout <= 0 {
+		timeout = defaultNFTTimeout
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	start := time.Now()
+	cmd := deadline.Command(ctx, n.path, args...)
 	// nft's stderr is a pipe read to its end (by a goroutine parked in
 	// the netpoller) before kproxy waits for nft. Waiting in wait4 while
 	// nft runs (as os/exec's Run does) keeps a P in a system call, and
@@ -157,6 +190,9 @@ func (n *execNFT) run(ctx context.Context, tx *knftables.Transaction, check bool
 	}
 	errText := <-stderr
 	if err := cmd.Wait(); err != nil {
+		if ctx.Err() != nil {
+			return deadline.CommandError(ctx, "nft", timeout, time.Since(start), strings.TrimSpace(errText), err)
+		}
 		return n.wrapError(err, errText, text)
 	}
 	if werr != nil {
