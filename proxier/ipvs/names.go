@@ -2,8 +2,8 @@ package ipvs
 
 import (
 	"crypto/sha256"
-	"net/netip"
 	"encoding/base32"
+	"net/netip"
 	"strings"
 
 	"github.com/kproxy/kproxy/pkg/ipset"
