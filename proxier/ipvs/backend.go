@@ -46,6 +46,14 @@
 // cluster endpoints with statistic rules, as iptables mode does; with
 // ClientIP affinity it keeps using the ClusterIP virtual server (local
 // endpoints), whose persistence those rules could not give.
+//
+// # Faults
+//
+// A service port whose state the kernel refuses is set aside with its last
+// good state while the sync programs everything else, and a partial sync
+// first checks, at a fixed cost, that nobody flushed the virtual servers,
+// the sets or the dummy device's addresses (docs/design.md, "IPVS mode
+// under faults").
 package ipvs
 
 import (
@@ -367,11 +375,9 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 		b.initialized = true
 		clear(b.setAside)
 	} else {
-		for _, n := range state.Changed.UnsortedList() {
-			for name := range b.setAside {
-				if name.NamespacedName == n {
-					delete(b.setAside, name)
-				}
+		for name := range b.setAside {
+			if state.Changed.Has(name.NamespacedName) {
+				delete(b.setAside, name) // retried: set aside again below if refused
 			}
 		}
 	}
