@@ -26,6 +26,16 @@ import (
 // which reconciles everything with the kernel. A failure to look counts as
 // a finding.
 func (b *Backend) checkIntact(ctx context.Context) string {
+	for _, check := range []func(context.Context) string{b.checkSets, b.checkVirtualServers, b.checkAddresses} {
+		if found := check(ctx); found != "" {
+			return found
+		}
+	}
+	return ""
+}
+
+// checkSets finds a set destroyed, or every set flushed.
+func (b *Backend) checkSets(ctx context.Context) string {
 	names, err := b.ipset.ListSets(ctx)
 	if err != nil {
 		return fmt.Sprintf("listing ipsets failed: %v", err)
@@ -43,6 +53,12 @@ func (b *Backend) checkIntact(ctx context.Context) string {
 	if !slices.Contains(entries, canary.entry) {
 		return "ipset " + canary.set + " was flushed"
 	}
+	return ""
+}
+
+// checkVirtualServers finds every virtual server deleted: it looks up one
+// of kproxy's, whichever the map yields first.
+func (b *Backend) checkVirtualServers(ctx context.Context) string {
 	for k := range b.applied {
 		_, err := b.ipvs.Destinations(ctx, &ipvs.Service{Address: k.addr, Protocol: k.proto, Port: k.port, Scheduler: b.opts.Scheduler})
 		switch {
@@ -53,6 +69,13 @@ func (b *Backend) checkIntact(ctx context.Context) string {
 		}
 		break
 	}
+	return ""
+}
+
+// checkAddresses finds the dummy device's addresses flushed, or the device
+// deleted: it binds one of kproxy's addresses again, whichever the map
+// yields first, and the kernel says whether the device had it.
+func (b *Backend) checkAddresses(ctx context.Context) string {
 	for a := range b.addrRefs {
 		existed, err := b.nl.EnsureAddressBound(ctx, a, b.device)
 		switch {
