@@ -21,9 +21,31 @@ type Fake struct {
 	// back into the Fake. Set it before the Fake is shared.
 	Referenced func(name string) bool
 
-	mu   sync.Mutex
-	sets map[string]*fakeSet
+	mu     sync.Mutex
+	sets   map[string]*fakeSet
+	refuse RefuseFunc
 }
+
+// Op names a change to the sets, for a RefuseFunc.
+type Op string
+
+// The changes a RefuseFunc is asked about.
+const (
+	OpCreate  Op = "create"
+	OpDestroy Op = "destroy"
+	OpAdd     Op = "add"
+	OpDel     Op = "del"
+	OpFlush   Op = "flush"
+)
+
+// RefuseFunc decides whether the fake kernel refuses a change to the set
+// name: a non-nil error fails the operation with that error (wrapped) and
+// changes nothing, as the kernel refusing it would (a full set, a missing
+// set type module, memory). e is the entry of OpAdd and OpDel, zero
+// otherwise. It is asked after the operation's own checks (an entry that
+// does not fit is still ErrInvalidEntry), with the Fake's lock held: it
+// must not call back into the Fake.
+type RefuseFunc func(op Op, name string, e Entry) error
 
 type fakeSet struct {
 	set     Set
@@ -35,6 +57,28 @@ var _ Interface = (*Fake)(nil)
 // NewFake returns a Fake without sets.
 func NewFake() *Fake {
 	return &Fake{sets: map[string]*fakeSet{}}
+}
+
+// SetRefuse makes the fake refuse the changes fn refuses; nil refuses
+// nothing.
+func (f *Fake) SetRefuse(fn RefuseFunc) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.refuse = fn
+}
+
+// refused asks the refusal hook about op; called with f.mu held.
+func (f *Fake) refused(op Op, name string, e Entry) error {
+	if f.refuse == nil {
+		return nil
+	}
+	if err := f.refuse(op, name, e); err != nil {
+		if op == OpAdd || op == OpDel {
+			return fmt.Errorf("ipset %s %s %s refused: %w", op, name, e, err)
+		}
+		return fmt.Errorf("ipset %s %s refused: %w", op, name, err)
+	}
+	return nil
 }
 
 func (f *Fake) get(name string) (*fakeSet, error) {
@@ -70,6 +114,9 @@ func (f *Fake) EnsureSet(ctx context.Context, set Set) error {
 		s.set.Comment = set.Comment
 		return nil
 	}
+	if err := f.refused(OpCreate, set.Name, Entry{}); err != nil {
+		return err
+	}
 	f.sets[set.Name] = &fakeSet{set: set, entries: map[Entry]bool{}}
 	return nil
 }
@@ -89,6 +136,9 @@ func (f *Fake) DestroySet(ctx context.Context, name string) error {
 	}
 	if f.Referenced != nil && f.Referenced(name) {
 		return fmt.Errorf("destroying set %s: %w", name, ErrInUse)
+	}
+	if err := f.refused(OpDestroy, name, Entry{}); err != nil {
+		return err
 	}
 	delete(f.sets, name)
 	return nil
@@ -133,6 +183,9 @@ func (f *Fake) AddEntry(ctx context.Context, name string, e Entry) error {
 	if err != nil {
 		return err
 	}
+	if err := f.refused(OpAdd, name, e); err != nil {
+		return err
+	}
 	s.entries[n] = true
 	return nil
 }
@@ -152,6 +205,9 @@ func (f *Fake) DelEntry(ctx context.Context, name string, e Entry) error {
 	if err != nil {
 		return err
 	}
+	if err := f.refused(OpDel, name, e); err != nil {
+		return err
+	}
 	delete(s.entries, n)
 	return nil
 }
@@ -166,6 +222,9 @@ func (f *Fake) FlushSet(ctx context.Context, name string) error {
 	s, err := f.get(name)
 	if err != nil {
 		return fmt.Errorf("flushing: %w", err)
+	}
+	if err := f.refused(OpFlush, name, Entry{}); err != nil {
+		return err
 	}
 	clear(s.entries)
 	return nil

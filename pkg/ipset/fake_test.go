@@ -3,6 +3,7 @@ package ipset
 import (
 	"context"
 	"errors"
+	"net/netip"
 	"slices"
 	"testing"
 )
@@ -180,4 +181,87 @@ func TestFakeCancelledContext(t *testing.T) {
 	if sets, _ := f.ListSets(t.Context()); len(sets) != 0 {
 		t.Errorf("cancelled EnsureSet created %q", sets)
 	}
+}
+
+func TestFakeRefuse(t *testing.T) {
+	errRefused := errors.New("set is full")
+	a, b := Entry{IP: netip.MustParseAddr("10.0.0.1")}, Entry{IP: netip.MustParseAddr("10.0.0.2")}
+	for _, c := range []struct {
+		name    string
+		refuse  RefuseFunc
+		op      func(ctx context.Context, f *Fake) error
+		wantErr error
+		// wantSets and wantEntries (of KP-A) afterwards.
+		wantSets    []string
+		wantEntries []Entry
+	}{
+		{
+			name:   "a refused entry is not added, others are",
+			refuse: func(op Op, _ string, e Entry) error { return refuseIf(op == OpAdd && e == b, errRefused) },
+			op: func(ctx context.Context, f *Fake) error {
+				return errors.Join(f.AddEntry(ctx, "KP-A", b), f.AddEntry(ctx, "KP-A", a))
+			},
+			wantErr: errRefused, wantSets: []string{"KP-A"}, wantEntries: []Entry{a},
+		},
+		{
+			name:   "an entry that does not fit is still ErrInvalidEntry",
+			refuse: func(Op, string, Entry) error { return errRefused },
+			op: func(ctx context.Context, f *Fake) error {
+				return f.AddEntry(ctx, "KP-A", Entry{IP: a.IP, Protocol: "tcp", Port: 1})
+			},
+			wantErr: ErrInvalidEntry, wantSets: []string{"KP-A"}, wantEntries: []Entry{a},
+		},
+		{
+			name: "refused deletion, flush and destroy change nothing",
+			refuse: func(op Op, _ string, _ Entry) error {
+				return refuseIf(op == OpDel || op == OpFlush || op == OpDestroy, errRefused)
+			},
+			op: func(ctx context.Context, f *Fake) error {
+				return errors.Join(f.DelEntry(ctx, "KP-A", a), f.FlushSet(ctx, "KP-A"), f.DestroySet(ctx, "KP-A"))
+			},
+			wantErr: errRefused, wantSets: []string{"KP-A"}, wantEntries: []Entry{a},
+		},
+		{
+			name:    "a refused set is not created",
+			refuse:  func(op Op, name string, _ Entry) error { return refuseIf(op == OpCreate && name == "KP-B", errRefused) },
+			op:      func(ctx context.Context, f *Fake) error { return f.EnsureSet(ctx, Set{Name: "KP-B", Type: HashIP}) },
+			wantErr: errRefused, wantSets: []string{"KP-A"}, wantEntries: []Entry{a},
+		},
+		{
+			name:     "nil refuses nothing",
+			op:       func(ctx context.Context, f *Fake) error { return f.AddEntry(ctx, "KP-A", b) },
+			wantSets: []string{"KP-A"}, wantEntries: []Entry{a, b},
+		},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx := t.Context()
+			f := NewFake()
+			if err := f.EnsureSet(ctx, Set{Name: "KP-A", Type: HashIP}); err != nil {
+				t.Fatal(err)
+			}
+			if err := f.AddEntry(ctx, "KP-A", a); err != nil {
+				t.Fatal(err)
+			}
+			f.SetRefuse(c.refuse)
+			err := c.op(ctx, f)
+			if c.wantErr == nil && err != nil || c.wantErr != nil && !errors.Is(err, c.wantErr) {
+				t.Errorf("error %v, want %v", err, c.wantErr)
+			}
+			f.SetRefuse(nil)
+			if got, _ := f.ListSets(ctx); !slices.Equal(got, c.wantSets) {
+				t.Errorf("sets %q, want %q", got, c.wantSets)
+			}
+			if got, _ := f.Entries(ctx, "KP-A"); !slices.Equal(got, c.wantEntries) {
+				t.Errorf("entries %v, want %v", got, c.wantEntries)
+			}
+		})
+	}
+}
+
+// refuseIf returns err when cond holds.
+func refuseIf(cond bool, err error) error {
+	if cond {
+		return err
+	}
+	return nil
 }

@@ -22,14 +22,37 @@ var AllSchedulers = []string{"rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "s
 // operations with the kernel's rules (duplicate and missing services and
 // destinations, schedulers that must exist, destination family and weight
 // checks, timeouts where zero means unchanged). Tests set connection
-// counters with SetConnections and inspect the table with Services and
-// Destinations. Safe for concurrent use.
+// counters with SetConnections, make the kernel refuse chosen changes with
+// SetRefuse, and inspect the table with Services and Destinations. Safe for
+// concurrent use.
 type Fake struct {
 	mu         sync.Mutex
 	services   map[serviceKey]*fakeService
 	timeouts   Timeouts
 	schedulers map[string]bool
+	refuse     RefuseFunc
 }
+
+// Op names a change to the table, for a RefuseFunc.
+type Op string
+
+// The changes a RefuseFunc is asked about.
+const (
+	OpAddService        Op = "add service"
+	OpUpdateService     Op = "update service"
+	OpDeleteService     Op = "delete service"
+	OpAddDestination    Op = "add destination"
+	OpUpdateDestination Op = "update destination"
+	OpDeleteDestination Op = "delete destination"
+)
+
+// RefuseFunc decides whether the fake kernel refuses a change: a non-nil
+// error fails the operation with that error (wrapped) and changes nothing,
+// as the kernel refusing it would (EINVAL for what it cannot carry, ENOMEM,
+// a missing module). dst is nil for the service operations. It is asked
+// after the operation's own checks (a duplicate service is still
+// ErrExist), with the Fake's lock held: it must not call back into the Fake.
+type RefuseFunc func(op Op, svc *Service, dst *Destination) error
 
 type fakeService struct {
 	svc   Service
@@ -57,6 +80,29 @@ func (f *Fake) SetSchedulers(names ...string) {
 	for _, s := range names {
 		f.schedulers[s] = true
 	}
+}
+
+// SetRefuse makes the fake refuse the changes fn refuses; nil refuses
+// nothing.
+func (f *Fake) SetRefuse(fn RefuseFunc) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.refuse = fn
+}
+
+// refused asks the refusal hook about op; called with f.mu held.
+func (f *Fake) refused(op Op, svc *Service, dst *Destination) error {
+	if f.refuse == nil {
+		return nil
+	}
+	if err := f.refuse(op, svc, dst); err != nil {
+		what := svc.key().String()
+		if dst != nil {
+			what = netip.AddrPortFrom(dst.Address, dst.Port).String() + " of " + what
+		}
+		return fmt.Errorf("IPVS %s %s refused: %w", op, what, err)
+	}
+	return nil
 }
 
 // CheckScheduler is the fake's CheckScheduler: nil when name is available.
@@ -130,6 +176,9 @@ func (f *Fake) AddService(ctx context.Context, svc *Service) error {
 	if err := f.checkScheduler(svc.scheduler()); err != nil {
 		return fmt.Errorf("adding IPVS service %s: %w", svc.key(), err)
 	}
+	if err := f.refused(OpAddService, svc, nil); err != nil {
+		return err
+	}
 	f.services[svc.key()] = &fakeService{svc: stored(svc), dests: map[destKey]*Destination{}}
 	return nil
 }
@@ -151,6 +200,9 @@ func (f *Fake) UpdateService(ctx context.Context, svc *Service) error {
 	if err := f.checkScheduler(svc.scheduler()); err != nil {
 		return fmt.Errorf("updating IPVS service %s: %w", svc.key(), err)
 	}
+	if err := f.refused(OpUpdateService, svc, nil); err != nil {
+		return err
+	}
 	fs.svc = stored(svc)
 	return nil
 }
@@ -167,6 +219,9 @@ func (f *Fake) DeleteService(ctx context.Context, svc *Service) error {
 	defer f.mu.Unlock()
 	if _, err := f.service(svc); err != nil {
 		return fmt.Errorf("deleting: %w", err)
+	}
+	if err := f.refused(OpDeleteService, svc, nil); err != nil {
+		return err
 	}
 	delete(f.services, svc.key())
 	return nil
@@ -213,6 +268,9 @@ func (f *Fake) AddDestination(ctx context.Context, svc *Service, dst *Destinatio
 	if _, ok := fs.dests[k]; ok {
 		return fmt.Errorf("adding destination %s to IPVS service %s: %w", dst, svc.key(), ErrExist)
 	}
+	if err := f.refused(OpAddDestination, svc, dst); err != nil {
+		return err
+	}
 	fs.dests[k] = &Destination{Address: dst.Address, Port: dst.Port, Weight: dst.Weight}
 	return nil
 }
@@ -231,6 +289,9 @@ func (f *Fake) UpdateDestination(ctx context.Context, svc *Service, dst *Destina
 	if err != nil {
 		return fmt.Errorf("updating %w", err)
 	}
+	if err := f.refused(OpUpdateDestination, svc, dst); err != nil {
+		return err
+	}
 	d.Weight = dst.Weight
 	return nil
 }
@@ -247,6 +308,9 @@ func (f *Fake) DeleteDestination(ctx context.Context, svc *Service, dst *Destina
 	defer f.mu.Unlock()
 	if _, err := f.destination(svc, dst); err != nil {
 		return fmt.Errorf("deleting %w", err)
+	}
+	if err := f.refused(OpDeleteDestination, svc, dst); err != nil {
+		return err
 	}
 	delete(f.services[svc.key()].dests, destKey{dst.Address, dst.Port})
 	return nil

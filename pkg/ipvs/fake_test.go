@@ -172,3 +172,126 @@ func TestFakeCancelledContext(t *testing.T) {
 		t.Errorf("cancelled AddService changed the table")
 	}
 }
+
+func TestFakeRefuse(t *testing.T) {
+	errRefused := errors.New("invalid argument")
+	other := &Service{Address: vip4, Protocol: ProtocolUDP, Port: 53, Scheduler: "rr"}
+	dst := &Destination{Address: ep4a, Port: 8080, Weight: 1}
+	for _, c := range []struct {
+		name string
+		// refuse is the hook; op runs after tcp4() with dst was created.
+		refuse  RefuseFunc
+		op      func(ctx context.Context, f *Fake) error
+		wantErr error
+		// want is the table afterwards (Service.String, then
+		// destinations of tcp4()).
+		want      []string
+		wantDests []string
+	}{
+		{
+			name: "a refused service is not added",
+			refuse: func(op Op, s *Service, _ *Destination) error {
+				return refuseIf(op == OpAddService && s.Protocol == ProtocolUDP, errRefused)
+			},
+			op: func(ctx context.Context, f *Fake) error { return f.AddService(ctx, other) },
+			// the other services are still accepted
+			wantErr: errRefused, want: []string{"TCP 10.96.0.10:80 rr"}, wantDests: []string{"10.1.0.1:8080 weight 1"},
+		},
+		{
+			name:      "other services are accepted",
+			refuse:    func(op Op, s *Service, _ *Destination) error { return refuseIf(s.Port == 443, errRefused) },
+			op:        func(ctx context.Context, f *Fake) error { return f.AddService(ctx, other) },
+			want:      []string{"TCP 10.96.0.10:80 rr", "UDP 10.96.0.10:53 rr"},
+			wantDests: []string{"10.1.0.1:8080 weight 1"},
+		},
+		{
+			name:    "a duplicate is still ErrExist",
+			refuse:  func(Op, *Service, *Destination) error { return errRefused },
+			op:      func(ctx context.Context, f *Fake) error { return f.AddService(ctx, tcp4()) },
+			wantErr: ErrExist, want: []string{"TCP 10.96.0.10:80 rr"}, wantDests: []string{"10.1.0.1:8080 weight 1"},
+		},
+		{
+			name:   "a refused update changes nothing",
+			refuse: func(op Op, _ *Service, _ *Destination) error { return refuseIf(op == OpUpdateService, errRefused) },
+			op: func(ctx context.Context, f *Fake) error {
+				return f.UpdateService(ctx, &Service{Address: vip4, Protocol: ProtocolTCP, Port: 80, Scheduler: "sh"})
+			},
+			wantErr: errRefused, want: []string{"TCP 10.96.0.10:80 rr"}, wantDests: []string{"10.1.0.1:8080 weight 1"},
+		},
+		{
+			name: "a refused destination is not added",
+			refuse: func(op Op, _ *Service, d *Destination) error {
+				return refuseIf(op == OpAddDestination && d.Address == ep4b, errRefused)
+			},
+			op: func(ctx context.Context, f *Fake) error {
+				return f.AddDestination(ctx, tcp4(), &Destination{Address: ep4b, Port: 8080, Weight: 1})
+			},
+			wantErr: errRefused, want: []string{"TCP 10.96.0.10:80 rr"}, wantDests: []string{"10.1.0.1:8080 weight 1"},
+		},
+		{
+			name:   "a refused weight change keeps the weight",
+			refuse: func(op Op, _ *Service, _ *Destination) error { return refuseIf(op == OpUpdateDestination, errRefused) },
+			op: func(ctx context.Context, f *Fake) error {
+				return f.UpdateDestination(ctx, tcp4(), &Destination{Address: ep4a, Port: 8080, Weight: 0})
+			},
+			wantErr: errRefused, want: []string{"TCP 10.96.0.10:80 rr"}, wantDests: []string{"10.1.0.1:8080 weight 1"},
+		},
+		{
+			name: "refused deletions keep the service and its destination",
+			refuse: func(op Op, _ *Service, _ *Destination) error {
+				return refuseIf(op == OpDeleteService || op == OpDeleteDestination, errRefused)
+			},
+			op: func(ctx context.Context, f *Fake) error {
+				return errors.Join(f.DeleteDestination(ctx, tcp4(), dst), f.DeleteService(ctx, tcp4()))
+			},
+			wantErr: errRefused, want: []string{"TCP 10.96.0.10:80 rr"}, wantDests: []string{"10.1.0.1:8080 weight 1"},
+		},
+		{
+			name: "nil refuses nothing",
+			op:   func(ctx context.Context, f *Fake) error { return f.DeleteService(ctx, tcp4()) },
+			want: []string{},
+		},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx := t.Context()
+			f := NewFake()
+			if err := f.AddService(ctx, tcp4()); err != nil {
+				t.Fatal(err)
+			}
+			if err := f.AddDestination(ctx, tcp4(), dst); err != nil {
+				t.Fatal(err)
+			}
+			f.SetRefuse(c.refuse)
+			err := c.op(ctx, f)
+			if c.wantErr == nil && err != nil || c.wantErr != nil && !errors.Is(err, c.wantErr) {
+				t.Errorf("error %v, want %v", err, c.wantErr)
+			}
+			f.SetRefuse(nil)
+			if got := f.ServiceStrings(); !slices.Equal(got, c.want) {
+				t.Errorf("services %q, want %q", got, c.want)
+			}
+			if c.wantDests == nil {
+				return
+			}
+			ds, err := f.Destinations(ctx, tcp4())
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got []string
+			for _, d := range ds {
+				got = append(got, d.String())
+			}
+			if !slices.Equal(got, c.wantDests) {
+				t.Errorf("destinations %q, want %q", got, c.wantDests)
+			}
+		})
+	}
+}
+
+// refuseIf returns err when cond holds.
+func refuseIf(cond bool, err error) error {
+	if cond {
+		return err
+	}
+	return nil
+}

@@ -14,11 +14,33 @@ import (
 // executing the Interface operations with the kernel's rules (device name
 // limits, dummy devices only where a dummy is asked for, addresses bound to
 // existing devices only). Tests add the node's other devices with
-// AddDevice. Safe for concurrent use.
+// AddDevice and make the kernel refuse chosen changes with SetRefuse. Safe
+// for concurrent use.
 type Fake struct {
 	mu      sync.Mutex
 	devices map[string]*fakeDevice
+	refuse  RefuseFunc
 }
+
+// Op names a change to devices or addresses, for a RefuseFunc.
+type Op string
+
+// The changes a RefuseFunc is asked about.
+const (
+	OpCreateDevice  Op = "create device"
+	OpDeleteDevice  Op = "delete device"
+	OpBindAddress   Op = "bind address"
+	OpUnbindAddress Op = "unbind address"
+)
+
+// RefuseFunc decides whether the fake kernel refuses a change to device
+// dev: a non-nil error fails the operation with that error (wrapped) and
+// changes nothing, as the kernel refusing it would. addr is the address of
+// OpBindAddress and OpUnbindAddress, zero otherwise. It is asked only for
+// changes that would happen (not for binding an address the device has,
+// nor unbinding one it lacks), with the Fake's lock held: it must not call
+// back into the Fake.
+type RefuseFunc func(op Op, dev string, addr netip.Addr) error
 
 type fakeDevice struct {
 	dummy bool
@@ -48,6 +70,28 @@ func (f *Fake) AddDevice(name string, addrs ...netip.Addr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.devices[name] = d
+	return nil
+}
+
+// SetRefuse makes the fake refuse the changes fn refuses; nil refuses
+// nothing.
+func (f *Fake) SetRefuse(fn RefuseFunc) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.refuse = fn
+}
+
+// refused asks the refusal hook about op; called with f.mu held.
+func (f *Fake) refused(op Op, dev string, addr netip.Addr) error {
+	if f.refuse == nil {
+		return nil
+	}
+	if err := f.refuse(op, dev, addr); err != nil {
+		if addr.IsValid() {
+			return fmt.Errorf("%s %s on device %s refused: %w", op, addr, dev, err)
+		}
+		return fmt.Errorf("%s %s refused: %w", op, dev, err)
+	}
 	return nil
 }
 
@@ -82,6 +126,9 @@ func (f *Fake) EnsureDummyDevice(ctx context.Context, name string) (bool, error)
 		}
 		return true, nil
 	}
+	if err := f.refused(OpCreateDevice, name, netip.Addr{}); err != nil {
+		return false, err
+	}
 	f.devices[name] = &fakeDevice{dummy: true, addrs: map[netip.Addr]bool{}}
 	return false, nil
 }
@@ -102,6 +149,9 @@ func (f *Fake) DeleteDummyDevice(ctx context.Context, name string) error {
 	}
 	if !d.dummy {
 		return fmt.Errorf("not deleting device %s: %w", name, ErrNotDummy)
+	}
+	if err := f.refused(OpDeleteDevice, name, netip.Addr{}); err != nil {
+		return err
 	}
 	delete(f.devices, name)
 	return nil
@@ -127,6 +177,9 @@ func (f *Fake) EnsureAddressBound(ctx context.Context, addr netip.Addr, dev stri
 	if d.addrs[addr] {
 		return true, nil
 	}
+	if err := f.refused(OpBindAddress, dev, addr); err != nil {
+		return false, err
+	}
 	d.addrs[addr] = true
 	return false, nil
 }
@@ -144,7 +197,10 @@ func (f *Fake) UnbindAddress(ctx context.Context, addr netip.Addr, dev string) e
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if d, ok := f.devices[dev]; ok {
+	if d, ok := f.devices[dev]; ok && d.addrs[addr] {
+		if err := f.refused(OpUnbindAddress, dev, addr); err != nil {
+			return err
+		}
 		delete(d.addrs, addr)
 	}
 	return nil

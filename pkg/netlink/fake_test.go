@@ -102,3 +102,98 @@ func TestFakeCancelledContext(t *testing.T) {
 		t.Errorf("LocalAddresses error %v, want context.Canceled", err)
 	}
 }
+
+func TestFakeRefuse(t *testing.T) {
+	errRefused := errors.New("operation not permitted")
+	vipA, vipB := netip.MustParseAddr("10.96.0.1"), netip.MustParseAddr("10.96.0.2")
+	for _, c := range []struct {
+		name    string
+		refuse  RefuseFunc
+		op      func(ctx context.Context, f *Fake) error
+		wantErr error
+		// wantAddrs are the dummy device's addresses afterwards (nil: no
+		// device).
+		wantAddrs []netip.Addr
+	}{
+		{
+			name: "a refused address is not bound, others are",
+			refuse: func(op Op, _ string, a netip.Addr) error {
+				return refuseIf(op == OpBindAddress && a == vipB, errRefused)
+			},
+			op: func(ctx context.Context, f *Fake) error {
+				_, errB := f.EnsureAddressBound(ctx, vipB, dummy)
+				_, errA := f.EnsureAddressBound(ctx, vipA, dummy)
+				return errors.Join(errB, errA)
+			},
+			wantErr: errRefused, wantAddrs: []netip.Addr{vipA},
+		},
+		{
+			name:   "binding a bound address is not asked about",
+			refuse: func(Op, string, netip.Addr) error { return errRefused },
+			op: func(ctx context.Context, f *Fake) error {
+				_, err := f.EnsureAddressBound(ctx, vipA, dummy)
+				return err
+			},
+			wantAddrs: []netip.Addr{vipA},
+		},
+		{
+			name:   "refused unbinding and deletion change nothing",
+			refuse: func(op Op, _ string, _ netip.Addr) error { return refuseIf(op != OpBindAddress, errRefused) },
+			op: func(ctx context.Context, f *Fake) error {
+				return errors.Join(f.UnbindAddress(ctx, vipA, dummy), f.DeleteDummyDevice(ctx, dummy))
+			},
+			wantErr: errRefused, wantAddrs: []netip.Addr{vipA},
+		},
+		{
+			name:   "a refused device is not created",
+			refuse: func(op Op, _ string, _ netip.Addr) error { return refuseIf(op == OpCreateDevice, errRefused) },
+			op: func(ctx context.Context, f *Fake) error {
+				_, err := f.EnsureDummyDevice(ctx, "other0")
+				return err
+			},
+			wantErr: errRefused, wantAddrs: []netip.Addr{vipA},
+		},
+		{
+			name: "nil refuses nothing",
+			op:   func(ctx context.Context, f *Fake) error { return f.DeleteDummyDevice(ctx, dummy) },
+		},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx := t.Context()
+			f, _ := fakeEnv(t)
+			if _, err := f.EnsureDummyDevice(ctx, dummy); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := f.EnsureAddressBound(ctx, vipA, dummy); err != nil {
+				t.Fatal(err)
+			}
+			f.SetRefuse(c.refuse)
+			err := c.op(ctx, f)
+			if c.wantErr == nil && err != nil || c.wantErr != nil && !errors.Is(err, c.wantErr) {
+				t.Errorf("error %v, want %v", err, c.wantErr)
+			}
+			f.SetRefuse(nil)
+			if slices.Contains(f.Devices(), "other0") {
+				t.Error("refused device created")
+			}
+			got, err := f.ListBoundAddresses(ctx, dummy)
+			if c.wantAddrs == nil {
+				if !errors.Is(err, ErrNotExist) {
+					t.Errorf("dummy device: addresses %v, error %v; want it gone", got, err)
+				}
+				return
+			}
+			if !slices.Equal(got, c.wantAddrs) {
+				t.Errorf("addresses %v (error %v), want %v", got, err, c.wantAddrs)
+			}
+		})
+	}
+}
+
+// refuseIf returns err when cond holds.
+func refuseIf(cond bool, err error) error {
+	if cond {
+		return err
+	}
+	return nil
+}

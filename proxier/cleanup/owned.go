@@ -54,6 +54,7 @@ const (
 	SetNodePortReject   = "KPROXY-NODE-PORT-REJECT"       // hash:ip,port: node ports without endpoints on local addresses outside --nodeport-addresses
 	SetHealthCheckNodeP = "KPROXY-HEALTH-CHECK-NODE-PORT" // hash:ip,port: node address,tcp:healthCheckNodePort
 	SetIPVSAddresses    = "KPROXY-IPVS-IPS"               // hash:ip: every address kproxy binds to the dummy device
+	SetCanary           = "KPROXY-CANARY"                 // hash:ip: one entry, no rule: an external flush of every set empties it
 )
 
 // IPVSSet is one ipset of IPVS mode: its IPv4 name, type and comment.
@@ -82,6 +83,7 @@ func IPVSSets() []IPVSSet {
 		{SetNodePortReject, ipset.HashIPPort, "kproxy node port without endpoints on an address outside nodeport-addresses"},
 		{SetHealthCheckNodeP, ipset.HashIPPort, "kproxy node address + health check node port"},
 		{SetIPVSAddresses, ipset.HashIP, "kproxy addresses bound to the IPVS dummy device"},
+		{SetCanary, ipset.HashIP, "kproxy canary: emptied only by a flush of every set"},
 	}
 }
 

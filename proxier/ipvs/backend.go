@@ -46,16 +46,22 @@
 // cluster endpoints with statistic rules, as iptables mode does; with
 // ClientIP affinity it keeps using the ClusterIP virtual server (local
 // endpoints), whose persistence those rules could not give.
+//
+// # Faults
+//
+// A service port whose state the kernel refuses is set aside with its last
+// good state while the sync programs everything else, and a partial sync
+// first checks, at a fixed cost, that nobody flushed the virtual servers,
+// the sets or the dummy device's addresses (docs/design.md, "IPVS mode
+// under faults").
 package ipvs
 
 import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"net/netip"
 	"slices"
-	"sort"
 	"strings"
 	"syscall"
 	"time"
@@ -123,9 +129,13 @@ type SyncStats struct {
 	// VirtualServers is the number of virtual servers kproxy wants;
 	// Terminating the real servers waiting at weight 0.
 	VirtualServers, Terminating int
-	// Errors is the number of operations that failed (the sync then
-	// returned an error).
-	Errors   int
+	// Errors is the number of failures that failed the sync; SetAside the
+	// service ports it set aside (their refusals did not fail it).
+	Errors, SetAside int
+	// Repaired, when not empty, says what the check of a partial sync
+	// found changed behind kproxy's back (checkIntact): the sync was made
+	// full to repair it.
+	Repaired string
 	Duration time.Duration
 }
 
@@ -161,12 +171,15 @@ type Backend struct {
 	// writer writes IPVS mode's chains and remembers them.
 	writer     *ipt.Writer
 	ruleCounts map[string]int
-	shortcut   []string
 	// nodePortAddrs and localAddrs as of the last sync.
 	nodePortAddrs, localAddrs []netip.Addr
 	// decisionOpts are the node-wide options of the last state synced.
 	decisionOpts proxy.DecisionOptions
-	last         SyncStats
+	// setAside are the service ports whose latest plan the kernel
+	// refused; plans holds their last good one (or nothing). A partial
+	// sync retries one when its service changes.
+	setAside map[proxy.ServicePortName]bool
+	last     SyncStats
 }
 
 // termVS holds the real servers of one virtual server that wait at weight
@@ -254,7 +267,8 @@ func (b *Backend) reset() {
 	b.vsOwner = map[vsKey]proxy.ServicePortName{}
 	b.contested = map[vsKey]bool{}
 	b.addrRefs = map[netip.Addr]int{}
-	b.entryRefs = map[setEntry]int{}
+	// The canary entry is always wanted (checkIntact).
+	b.entryRefs = map[setEntry]int{canaryEntry(b.ipv6): 1}
 	b.applied = map[vsKey]ipvs.Service{}
 	if b.ours == nil {
 		b.ours = map[vsKey]bool{}
@@ -262,8 +276,10 @@ func (b *Backend) reset() {
 	if b.terminating == nil {
 		b.terminating = map[vsKey]*termVS{}
 	}
+	if b.setAside == nil {
+		b.setAside = map[proxy.ServicePortName]bool{}
+	}
 	b.writer.Forget()
-	b.shortcut = nil
 }
 
 // ValidateScheduler checks that name could be an IPVS scheduler (lower-case
@@ -328,19 +344,27 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 	}
 	full = full || !b.initialized || !slices.Equal(local, b.localAddrs) || !slices.Equal(nodePort, b.nodePortAddrs) ||
 		b.decisionOpts != state.Options
+	var st SyncStats
+	if !full {
+		if found := b.checkIntact(ctx); found != "" {
+			logger.Info("kproxy's IPVS state was changed behind its back; repairing it with a full sync", "family", state.Family, "found", found)
+			full, st.Repaired = true, found
+		}
+	}
 	b.decisionOpts = state.Options
 	r := &renderer{ipv6: b.ipv6, scheduler: b.opts.Scheduler, nodePortAddrs: nodePort, localAddrs: local}
-	st := SyncStats{Full: full}
+	st.Full = full
+	var refused map[proxy.ServicePortName]error
 	var errs []error
 	if full {
-		errs = b.fullSync(ctx, state, r, &st)
+		refused, errs = b.fullSync(ctx, state, r, &st)
 	} else {
-		errs = b.partialSync(ctx, state, r, &st)
+		refused, errs = b.partialSync(ctx, state, r, &st)
 	}
 	b.localAddrs, b.nodePortAddrs = local, nodePort
 	st.VirtualServers = len(b.vsWanted)
 	st.Terminating = b.PendingTerminations()
-	st.Errors = len(errs)
+	st.Errors, st.SetAside = len(errs), len(refused)
 	st.Duration = b.clock.Since(start)
 	b.last = st
 	if len(errs) > 0 {
@@ -349,16 +373,27 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 	}
 	if full {
 		b.initialized = true
+		clear(b.setAside)
+	} else {
+		for name := range b.setAside {
+			if state.Changed.Has(name.NamespacedName) {
+				delete(b.setAside, name) // retried: set aside again below if refused
+			}
+		}
+	}
+	for name := range refused {
+		b.setAside[name] = true
 	}
 	logger.V(2).Info("Synced IPVS", "family", state.Family, "full", full, "servicePorts", len(b.plans),
 		"virtualServers", st.VirtualServers, "servicesAdded", st.ServicesAdded, "servicesDeleted", st.ServicesDeleted,
 		"destinationsAdded", st.DestinationsAdded, "destinationsDeleted", st.DestinationsDeleted,
-		"entriesAdded", st.EntriesAdded, "entriesDeleted", st.EntriesDeleted, "terminating", st.Terminating)
+		"entriesAdded", st.EntriesAdded, "entriesDeleted", st.EntriesDeleted, "terminating", st.Terminating, "setAside", st.SetAside)
 	return proxy.BackendResult{
 		RuleCounts: b.ruleCounts,
 		KernelWrites: st.ServicesAdded + st.ServicesUpdated + st.ServicesDeleted + st.DestinationsAdded + st.DestinationsUpdated +
 			st.DestinationsDeleted + st.EntriesAdded + st.EntriesDeleted + st.AddressesBound + st.AddressesUnbound + st.Restores,
 		KernelTime: st.Duration,
+		SetAside:   refused,
 	}, nil
 }
 
@@ -544,91 +579,130 @@ func (b *Backend) resolveContested(keys map[vsKey]bool) []*virtualServer {
 	return moved
 }
 
-// shortcutRules are the shortcut rules of every plan, in name order.
-func (b *Backend) shortcutRules() []string {
+// shortcutRules are the shortcut rules of every plan, in name order; a
+// plan of override replaces the port's own (nil: none).
+func (b *Backend) shortcutRules(override map[proxy.ServicePortName]*servicePlan) []string {
+	names := proxy.SortedServicePortNames(b.plans)
+	if len(override) > 0 {
+		for n := range override {
+			if _, ok := b.plans[n]; !ok {
+				names = append(names, n)
+			}
+		}
+		slices.SortFunc(names, proxy.ServicePortName.Compare)
+	}
 	var out []string
-	for _, n := range proxy.SortedServicePortNames(b.plans) {
-		out = append(out, b.plans[n].shortcut...)
+	for _, n := range names {
+		p, ok := override[n]
+		if !ok {
+			p = b.plans[n]
+		}
+		if p != nil {
+			out = append(out, p.shortcut...)
+		}
 	}
 	return out
 }
 
 // fullSync rewrites everything from state and removes what kproxy owns and
-// no longer wants. It returns the errors met; it goes on after an error
-// in one service.
-func (b *Backend) fullSync(ctx context.Context, state *proxy.NodeState, r *renderer, st *SyncStats) []error {
+// no longer wants. A service port whose objects the kernel refuses is set
+// aside with the plan it had before (refused); errs are the failures that
+// are not any one service port's.
+func (b *Backend) fullSync(ctx context.Context, state *proxy.NodeState, r *renderer, st *SyncStats) (refused map[proxy.ServicePortName]error, errs []error) {
 	logger := klog.FromContext(ctx)
 	if err := b.prepare(ctx); err != nil {
-		return []error{err}
+		return nil, []error{err}
 	}
-	// Ownership evidence, read before anything changes.
+	// Ownership evidence and the kernel's state, read before anything
+	// changes.
 	bound, err := b.boundAddresses(ctx)
 	if err != nil {
-		return []error{err}
+		return nil, []error{err}
 	}
 	recorded, err := recordedVS(ctx, b.ipset, b.ipv6)
 	if err != nil {
-		return []error{err}
+		return nil, []error{err}
 	}
 	kernel, err := b.kernelServices(ctx)
 	if err != nil {
-		return []error{err}
+		return nil, []error{err}
+	}
+	haveEntries, err := b.kernelEntries(ctx)
+	if err != nil {
+		return nil, []error{err}
 	}
 
-	ours, terminating := b.ours, b.terminating
+	prev, ours, terminating := b.plans, b.ours, b.terminating
 	b.reset()
 	b.ours, b.terminating = ours, terminating
-	addrs := &refCounts[netip.Addr]{refs: b.addrRefs, before: map[netip.Addr]int{}}
-	entries := &refCounts[setEntry]{refs: b.entryRefs, before: map[setEntry]int{}}
+	tx := b.newTxn(true)
 	for _, name := range proxy.SortedServicePortNames(state.Services) {
 		p := r.render(state.Services[name])
 		if p == nil {
 			logger.V(2).Info("Skipping service port with a protocol IPVS cannot carry", "servicePort", name.String(), "protocol", name.Protocol)
 			continue
 		}
+		tx.changed = append(tx.changed, name)
+		tx.old[name] = prev[name]
 		b.plans[name] = p
-		b.addPlan(ctx, name, p, addrs, entries)
+		b.addPlan(ctx, name, p, tx.addrs, tx.entries)
 	}
 
-	var errs []error
-	fail := func(err error) { errs = append(errs, err) }
-	b.shortcut = b.shortcutRules()
-	if err := b.writeRules(ctx, b.renderRules(b.shortcut), true, st); err != nil {
-		fail(err)
+	// The rules first, so that a newly bound address is covered by the
+	// filter that rejects its other ports from the start.
+	if err := tx.writeRules(ctx, st); err != nil {
+		return nil, []error{err}
 	}
-
 	// Set entries are added before the addresses and virtual servers they
-	// record (so that a newly bound address is covered by the filter that
-	// rejects its other ports from the start) and removed after them.
-	addedEntries, removedEntries, setErrs := b.setChanges(ctx)
-	errs = append(errs, setErrs...)
-	errs = append(errs, b.applyEntries(ctx, addedEntries, nil, st)...)
-
-	// Addresses before virtual servers, so that a new virtual server's
-	// packets are local.
+	// record and removed after them; addresses are bound before the
+	// virtual servers, so that a new virtual server's packets are local.
+	var addEntries []setEntry
+	for e := range b.entryRefs {
+		if !haveEntries[e] {
+			addEntries = append(addEntries, e)
+		}
+	}
+	slices.SortFunc(addEntries, compareSetEntries)
+	errs = append(errs, tx.addEntries(ctx, addEntries, st)...)
+	var bind []netip.Addr
 	for _, a := range sortedAddrs(b.addrRefs) {
-		if bound[a] {
-			continue
+		if !bound[a] {
+			bind = append(bind, a)
 		}
-		if _, err := b.nl.EnsureAddressBound(ctx, a, b.device); err != nil {
-			fail(fmt.Errorf("binding %s: %w", a, err))
-			continue
+	}
+	errs = append(errs, tx.bindAddresses(ctx, bind, st)...)
+	// Every wanted virtual server; a port set aside meanwhile brings its
+	// old ones back, which the next round ensures.
+	done := map[vsKey]bool{}
+	for {
+		var keys []vsKey
+		for k := range b.vsWanted {
+			if !done[k] {
+				keys = append(keys, k)
+			}
 		}
-		st.AddressesBound++
+		if len(keys) == 0 {
+			break
+		}
+		slices.SortFunc(keys, compareKeys)
+		for _, k := range keys {
+			done[k] = true
+			if v := b.vsWanted[k]; v != nil {
+				if err := tx.grow(ctx, k, v, kernel[k], st); err != nil {
+					errs = append(errs, err)
+				}
+			}
+		}
+	}
+	// Ports set aside since the rules were written take back their old
+	// rules.
+	if err := tx.writeRules(ctx, st); err != nil {
+		errs = append(errs, err)
 	}
 
-	keys := make([]vsKey, 0, len(b.vsWanted))
-	for k := range b.vsWanted {
-		keys = append(keys, k)
-	}
-	slices.SortFunc(keys, compareKeys)
-	for _, k := range keys {
-		if err := b.ensureVS(ctx, b.vsWanted[k], kernel[k], st); err != nil {
-			fail(fmt.Errorf("service port %s: %w", b.vsOwner[k], err))
-		}
-	}
+	errs = append(errs, tx.shrinkVS(ctx, st)...)
 	for k, svc := range kernel {
-		if _, ok := b.vsWanted[k]; ok {
+		if _, ok := b.vsWanted[k]; ok || tx.grown[k] != nil {
 			continue
 		}
 		if !b.ours[k] && !recorded[k] {
@@ -641,7 +715,7 @@ func (b *Backend) fullSync(ctx context.Context, state *proxy.NodeState, r *rende
 		}
 		if err := b.deleteVS(ctx, svc, st); err != nil {
 			b.ours[k] = true // its set entry goes: remember it here
-			fail(err)
+			errs = append(errs, err)
 		}
 	}
 	for k := range b.terminating {
@@ -651,144 +725,129 @@ func (b *Backend) fullSync(ctx context.Context, state *proxy.NodeState, r *rende
 			}
 		}
 	}
-
-	for a := range bound {
-		if b.addrRefs[a] > 0 {
-			continue
-		}
-		if err := b.nl.UnbindAddress(ctx, a, b.device); err != nil {
-			fail(fmt.Errorf("unbinding %s: %w", a, err))
-			continue
-		}
-		st.AddressesUnbound++
-	}
-	errs = append(errs, b.applyEntries(ctx, nil, removedEntries, st)...)
-	return errs
+	errs = append(errs, tx.unbindUnwanted(ctx, bound, st)...)
+	errs = append(errs, tx.deleteUnwanted(ctx, haveEntries, st)...)
+	return tx.setAsideResult(), errs
 }
 
 // partialSync rewrites only the services in state.Changed (and services it
-// has not seen), then looks after terminating real servers.
-func (b *Backend) partialSync(ctx context.Context, state *proxy.NodeState, r *renderer, st *SyncStats) []error {
+// has not seen, unless they were set aside), then looks after terminating
+// real servers. Refusals are handled as in fullSync.
+func (b *Backend) partialSync(ctx context.Context, state *proxy.NodeState, r *renderer, st *SyncStats) (refused map[proxy.ServicePortName]error, errs []error) {
 	logger := klog.FromContext(ctx)
 	changed := func(n types.NamespacedName) bool { return state.Changed.Has(n) }
-	var touched []proxy.ServicePortName
+	tx := b.newTxn(false)
 	for name := range b.plans {
 		if _, ok := state.Services[name]; !ok && changed(name.NamespacedName) {
-			touched = append(touched, name)
+			tx.changed = append(tx.changed, name)
 		}
 	}
 	for name := range state.Services {
-		if _, known := b.plans[name]; !known || changed(name.NamespacedName) {
-			touched = append(touched, name)
+		// A port set aside is retried when its service changes (or on
+		// a full sync), not on every sync.
+		if _, known := b.plans[name]; (!known && !b.setAside[name]) || changed(name.NamespacedName) {
+			tx.changed = append(tx.changed, name)
 		}
 	}
-	sort.Slice(touched, func(i, j int) bool { return touched[i].String() < touched[j].String() })
+	slices.SortFunc(tx.changed, proxy.ServicePortName.Compare)
+	tx.changed = slices.Compact(tx.changed)
 
-	addrs := &refCounts[netip.Addr]{refs: b.addrRefs, before: map[netip.Addr]int{}}
-	entries := &refCounts[setEntry]{refs: b.entryRefs, before: map[setEntry]int{}}
-	var ensure []*virtualServer
-	var remove []vsKey
-	shortcutChanged := false
-	plans := make([]*servicePlan, len(touched))
-	for i, name := range touched {
+	plans := make([]*servicePlan, len(tx.changed))
+	for i, name := range tx.changed {
 		if s, ok := state.Services[name]; ok {
 			if plans[i] = r.render(s); plans[i] == nil {
 				logger.V(2).Info("Skipping service port with a protocol IPVS cannot carry", "servicePort", name.String())
 			}
 		}
-		var oldShortcut, newShortcut []string
-		var oldChains, newChains map[string][]string
-		if old := b.plans[name]; old != nil {
-			oldShortcut, oldChains = old.shortcut, old.chains
-		}
-		if p := plans[i]; p != nil {
-			newShortcut, newChains = p.shortcut, p.chains
-		}
-		if !slices.Equal(oldShortcut, newShortcut) || !maps.EqualFunc(oldChains, newChains, slices.Equal) {
-			shortcutChanged = true
-		}
+		tx.old[name] = b.plans[name]
 	}
 	// Every old plan goes before any new one comes: a virtual server that
-	// passes from one touched service port to another in this sync (a
+	// passes from one changed service port to another in this sync (a
 	// renamed port, a node port or an ExternalIP moved) must find its old
 	// owner gone, or addPlan would take it for contested and the new owner
 	// would lose it until a full sync.
-	claimed := map[vsKey]bool{} // every virtual server the touched plans want or wanted
-	for _, name := range touched {
-		if old := b.plans[name]; old != nil {
+	claimed := map[vsKey]bool{} // every virtual server the changed plans want or wanted
+	var remove []vsKey
+	for _, name := range tx.changed {
+		if old := tx.old[name]; old != nil {
 			for _, v := range old.vs {
 				claimed[keyOf(&v.svc)] = true
 			}
-			remove = append(remove, b.removePlan(name, old, addrs, entries)...)
+			remove = append(remove, b.removePlan(name, old, tx.addrs, tx.entries)...)
 			delete(b.plans, name)
 		}
 	}
-	for i, name := range touched {
+	var ensure []*virtualServer
+	for i, name := range tx.changed {
 		if p := plans[i]; p != nil {
 			for _, v := range p.vs {
 				claimed[keyOf(&v.svc)] = true
 			}
-			ensure = append(ensure, b.addPlan(ctx, name, p, addrs, entries)...)
+			ensure = append(ensure, b.addPlan(ctx, name, p, tx.addrs, tx.entries)...)
 			b.plans[name] = p
 		}
 	}
 	// A virtual server several service ports want goes to the first by
 	// name, whichever of them this sync touched.
 	ensure = append(ensure, b.resolveContested(claimed)...)
-	ensure = slices.DeleteFunc(ensure, func(v *virtualServer) bool { return b.vsWanted[keyOf(&v.svc)] != v })
 
-	var errs []error
-	fail := func(err error) { errs = append(errs, err) }
 	// Set entries before the addresses and virtual servers they record,
 	// removed after them (see fullSync).
-	addedEntries, removedEntries := entries.changes()
-	errs = append(errs, b.applyEntries(ctx, addedEntries, nil, st)...)
-	addedAddrs, removedAddrs := addrs.changes()
+	addedEntries, _ := tx.entries.changes()
+	slices.SortFunc(addedEntries, compareSetEntries)
+	errs = append(errs, tx.addEntries(ctx, addedEntries, st)...)
+	addedAddrs, _ := tx.addrs.changes()
 	slices.SortFunc(addedAddrs, netip.Addr.Compare)
-	for _, a := range addedAddrs {
-		if _, err := b.nl.EnsureAddressBound(ctx, a, b.device); err != nil {
-			fail(fmt.Errorf("binding %s: %w", a, err))
-			continue
-		}
-		st.AddressesBound++
-	}
-	touchedVS := map[vsKey]bool{}
+	errs = append(errs, tx.bindAddresses(ctx, addedAddrs, st)...)
 	for _, v := range ensure {
 		k := keyOf(&v.svc)
-		touchedVS[k] = true
+		if b.vsWanted[k] != v || tx.grown[k] != nil {
+			continue // its port was set aside, or done
+		}
 		// The service as kproxy last made it (nil when new); its real
 		// servers are read from the kernel all the same.
-		if err := b.ensureVS(ctx, v, b.previous(k), st); err != nil {
-			fail(fmt.Errorf("service port %s: %w", b.vsOwner[k], err))
+		if err := tx.grow(ctx, k, v, b.previous(k), st); err != nil {
+			errs = append(errs, err)
 		}
 	}
+	if err := tx.writeRules(ctx, st); err != nil {
+		errs = append(errs, err)
+	}
+
+	errs = append(errs, tx.shrinkVS(ctx, st)...)
+	touchedVS := map[vsKey]bool{}
+	for k := range tx.grown {
+		touchedVS[k] = true
+	}
+	for k := range tx.moved {
+		touchedVS[k] = true
+	}
 	for _, k := range remove {
-		if _, again := b.vsWanted[k]; again {
+		if _, again := b.vsWanted[k]; again || touchedVS[k] {
 			continue // now wanted by the same or another service port
 		}
 		touchedVS[k] = true
 		if err := b.deleteVS(ctx, &ipvs.Service{Address: k.addr, Protocol: k.proto, Port: k.port, Scheduler: b.opts.Scheduler}, st); err != nil &&
 			!errors.Is(err, ipvs.ErrNotExist) {
-			fail(err)
+			errs = append(errs, err)
 		}
 	}
-	if shortcutChanged {
-		b.shortcut = b.shortcutRules()
-		if err := b.writeRules(ctx, b.renderRules(b.shortcut), false, st); err != nil {
-			fail(err)
+	haveAddrs := map[netip.Addr]bool{}
+	for a, n := range tx.addrs.before {
+		if n > 0 {
+			haveAddrs[a] = true
 		}
 	}
-	slices.SortFunc(removedAddrs, netip.Addr.Compare)
-	for _, a := range removedAddrs {
-		if err := b.nl.UnbindAddress(ctx, a, b.device); err != nil {
-			fail(fmt.Errorf("unbinding %s: %w", a, err))
-			continue
+	errs = append(errs, tx.unbindUnwanted(ctx, haveAddrs, st)...)
+	haveEntries := map[setEntry]bool{}
+	for e, n := range tx.entries.before {
+		if n > 0 {
+			haveEntries[e] = true
 		}
-		st.AddressesUnbound++
 	}
-	errs = append(errs, b.applyEntries(ctx, nil, removedEntries, st)...)
+	errs = append(errs, tx.deleteUnwanted(ctx, haveEntries, st)...)
 	errs = append(errs, b.processTerminating(ctx, touchedVS, st)...)
-	return errs
+	return tx.setAsideResult(), errs
 }
 
 // previous is the virtual server k as kproxy last made it in the kernel;

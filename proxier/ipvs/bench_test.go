@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"runtime"
 	"sort"
 	"testing"
 	"time"
@@ -75,8 +76,9 @@ func newBenchRig(b *testing.B, k *benchKernel, svcs []*v1.Service, slices []*dis
 }
 
 // BenchmarkIPVSSync measures, per size: the full sync from empty, the first
-// sync of a restarted kproxy over the state the first one left, and a
-// one-endpoint partial sync (median of five).
+// sync of a restarted kproxy over the state the first one left, a
+// one-endpoint partial sync and the flush check every partial sync starts
+// with (checkIntact; medians of five).
 func BenchmarkIPVSSync(b *testing.B) {
 	requireVM(b)
 	for _, n := range pt.BenchSizes() {
@@ -88,7 +90,7 @@ func BenchmarkIPVSSync(b *testing.B) {
 				full := pt.TimedSync(b, e)
 				st := backend.LastSync()
 
-				e2, _ := newBenchRig(b, k, svcs, slices)
+				e2, backend2 := newBenchRig(b, k, svcs, slices)
 				restart := pt.TimedSync(b, e2)
 
 				var partials []time.Duration
@@ -99,11 +101,58 @@ func BenchmarkIPVSSync(b *testing.B) {
 					partials = append(partials, pt.TimedSync(b, e2))
 				}
 				sort.Slice(partials, func(i, j int) bool { return partials[i] < partials[j] })
+				// The check every partial sync starts with (checkIntact),
+				// and its parts, after a collection so that the large
+				// heap's marking does not run meanwhile.
+				runtime.GC()
+				ctx := context.Background()
+				check := func(f func(context.Context) string) float64 {
+					var ds []time.Duration
+					for j := 0; j < 5; j++ {
+						start := time.Now()
+						if found := f(ctx); found != "" {
+							b.Fatalf("check found %s", found)
+						}
+						ds = append(ds, time.Since(start))
+					}
+					sort.Slice(ds, func(i, j int) bool { return ds[i] < ds[j] })
+					return float64(ds[len(ds)/2].Microseconds()) / 1000
+				}
+				b.ReportMetric(check(backend2.checkIntact), "intact-check-ms")
+				b.ReportMetric(check(backend2.checkSets), "check-sets-ms")
+				b.ReportMetric(check(backend2.checkVirtualServers), "check-vs-ms")
+				b.ReportMetric(check(backend2.checkAddresses), "check-addr-ms")
 				b.ReportMetric(full.Seconds(), "full-sync-s")
 				b.ReportMetric(restart.Seconds(), "restart-sync-s")
 				b.ReportMetric(float64(partials[len(partials)/2].Microseconds())/1000, "partial-sync-ms")
 				b.ReportMetric(float64(st.VirtualServers), "virtual-servers")
 				b.ReportMetric(float64(st.DestinationsAdded), "real-servers")
+			}
+		})
+	}
+}
+
+// BenchmarkCheckIntact measures the flush check every partial sync starts
+// with (checkIntact) over the fakes, after a full sync of the standard
+// workload: its kernel reads do not grow with the services (one listing of
+// set names, the canary set, one virtual server's real servers, one
+// address), so neither should this.
+//
+//	go test -run '^$' -bench CheckIntact ./proxier/ipvs/
+func BenchmarkCheckIntact(b *testing.B) {
+	for _, n := range []int{1000, 10000} {
+		b.Run(fmt.Sprintf("services=%d", n), func(b *testing.B) {
+			k := newFakeKernel(b, v1.IPv4Protocol, []netip.Addr{netip.MustParseAddr("10.0.0.1")})
+			backend := k.backend(b, Options{})
+			env := pt.DefaultEnv()
+			env.NodeName, env.NodeIPs = "node-0", nil
+			svcs, slices := pt.Workload(n)
+			pt.Sync(b, pt.NewEngine(b, backend, pt.EngineOptions{Env: env, Services: svcs, Slices: slices}))
+			ctx := context.Background()
+			for b.Loop() {
+				if found := backend.checkIntact(ctx); found != "" {
+					b.Fatal(found)
+				}
 			}
 		})
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"strings"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -67,6 +68,16 @@ func recordedVS(ctx context.Context, sets ipset.Interface, ipv6 bool) (map[vsKey
 // nil, its scheduler and persistence updated, its real servers reconciled
 // with graceful termination.
 func (b *Backend) ensureVS(ctx context.Context, v *virtualServer, have *ipvs.Service, st *SyncStats) error {
+	dels, err := b.growVS(ctx, v, have, st)
+	return errors.Join(err, b.deleteDests(ctx, &v.svc, dels, st))
+}
+
+// growVS is ensureVS without deletions: it creates the virtual server or
+// updates its scheduler and persistence, adds the missing real servers,
+// gives the wanted ones weight 1 and quiesces the others; it returns the
+// real servers to delete (those without connections left, or waiting too
+// long, and every UDP one), even when it fails.
+func (b *Backend) growVS(ctx context.Context, v *virtualServer, have *ipvs.Service, st *SyncStats) ([]*ipvs.Destination, error) {
 	k := keyOf(&v.svc)
 	if have == nil {
 		err := b.ipvs.AddService(ctx, &v.svc)
@@ -82,10 +93,10 @@ func (b *Backend) ensureVS(ctx context.Context, v *virtualServer, have *ipvs.Ser
 				}
 				st.DestinationsAdded++
 			}
-			return errors.Join(errs...)
+			return nil, errors.Join(errs...)
 		}
 		if !errors.Is(err, ipvs.ErrExist) {
-			return err
+			return nil, err
 		}
 		have = &ipvs.Service{} // exists already: adopt it, settings unknown
 	}
@@ -95,10 +106,10 @@ func (b *Backend) ensureVS(ctx context.Context, v *virtualServer, have *ipvs.Ser
 	if !v.sameProps(have) {
 		if err := b.ipvs.UpdateService(ctx, &v.svc); err != nil {
 			if !errors.Is(err, ipvs.ErrNotExist) {
-				return err
+				return nil, err
 			}
 			delete(b.applied, k)
-			return b.ensureVS(ctx, v, nil, st) // deleted behind kproxy's back
+			return b.growVS(ctx, v, nil, st) // deleted behind kproxy's back
 		}
 		st.ServicesUpdated++
 	}
@@ -106,30 +117,36 @@ func (b *Backend) ensureVS(ctx context.Context, v *virtualServer, have *ipvs.Ser
 	dests, err := b.ipvs.Destinations(ctx, &v.svc)
 	if errors.Is(err, ipvs.ErrNotExist) {
 		delete(b.applied, k)
-		return b.ensureVS(ctx, v, nil, st)
+		return b.growVS(ctx, v, nil, st)
 	}
 	if err != nil {
-		return err
+		return nil, err
 	}
 	return b.reconcileDests(ctx, v, dests, st)
 }
 
-// reconcileDests gives v's real servers weight 1, adds the missing ones and
-// terminates the others gracefully.
-func (b *Backend) reconcileDests(ctx context.Context, v *virtualServer, have []*ipvs.Destination, st *SyncStats) error {
+// reconcileDests adds v's missing real servers, gives the wanted ones
+// weight 1 and terminates the others gracefully; it returns those to
+// delete.
+func (b *Backend) reconcileDests(ctx context.Context, v *virtualServer, have []*ipvs.Destination, st *SyncStats) ([]*ipvs.Destination, error) {
 	k := keyOf(&v.svc)
 	want := make(map[destKey]bool, len(v.dests))
 	for _, d := range v.dests {
 		want[d] = true
 	}
 	var errs []error
+	var dels []*ipvs.Destination
 	seen := make(map[destKey]bool, len(have))
 	for _, d := range have {
 		dk := destKey{d.Address, d.Port}
 		seen[dk] = true
 		if !want[dk] {
-			if err := b.terminate(ctx, &v.svc, d, st); err != nil {
+			del, err := b.terminate(ctx, &v.svc, d, st)
+			if err != nil {
 				errs = append(errs, err)
+			}
+			if del {
+				dels = append(dels, d)
 			}
 			continue
 		}
@@ -152,28 +169,19 @@ func (b *Backend) reconcileDests(ctx context.Context, v *virtualServer, have []*
 		}
 		st.DestinationsAdded++
 	}
-	return errors.Join(errs...)
+	return dels, errors.Join(errs...)
 }
 
-// terminate handles a real server kproxy no longer wants: a UDP one is
-// deleted at once; a TCP or SCTP one gets weight 0 (no new connections) and
-// is deleted when its active and inactive connections are gone, or when it
-// has waited GracefulTerminationTimeout.
-func (b *Backend) terminate(ctx context.Context, svc *ipvs.Service, d *ipvs.Destination, st *SyncStats) error {
-	logger := klog.FromContext(ctx)
-	k, dk := keyOf(svc), destKey{d.Address, d.Port}
-	del := func(why string) error {
-		if err := b.ipvs.DeleteDestination(ctx, svc, d); err != nil && !errors.Is(err, ipvs.ErrNotExist) {
-			return err
-		}
-		st.DestinationsDeleted++
-		b.clearTerminating(k, dk)
-		logger.V(3).Info("Deleted IPVS real server", "virtualServer", k, "realServer", dk, "reason", why)
-		return nil
-	}
+// terminate handles a real server kproxy no longer wants: a UDP one is to
+// be deleted at once; a TCP or SCTP one gets weight 0 (no new connections)
+// and is to be deleted when its active and inactive connections are gone,
+// or when it has waited GracefulTerminationTimeout. It reports whether to
+// delete it (deleteDests does).
+func (b *Backend) terminate(ctx context.Context, svc *ipvs.Service, d *ipvs.Destination, st *SyncStats) (bool, error) {
 	if svc.Protocol == ipvs.ProtocolUDP {
-		return del("udp")
+		return true, nil
 	}
+	k, dk := keyOf(svc), destKey{d.Address, d.Port}
 	now := b.clock.Now()
 	t := b.terminating[k]
 	if t == nil {
@@ -186,20 +194,36 @@ func (b *Backend) terminate(ctx context.Context, svc *ipvs.Service, d *ipvs.Dest
 		t.since[dk] = now
 	}
 	if d.ActiveConnections+d.InactiveConnections == 0 {
-		return del("no connections left")
+		return true, nil
 	}
 	if d.Weight != 0 {
 		if err := b.ipvs.UpdateDestination(ctx, svc, &ipvs.Destination{Address: d.Address, Port: d.Port, Weight: 0}); err != nil {
-			return err
+			return false, err
 		}
 		st.DestinationsUpdated++
-		logger.V(3).Info("Quiesced IPVS real server", "virtualServer", k, "realServer", dk,
+		klog.FromContext(ctx).V(3).Info("Quiesced IPVS real server", "virtualServer", k, "realServer", dk,
 			"activeConnections", d.ActiveConnections, "inactiveConnections", d.InactiveConnections)
 	}
-	if now.Sub(since) >= b.opts.GracefulTerminationTimeout {
-		return del("graceful termination timeout")
+	return now.Sub(since) >= b.opts.GracefulTerminationTimeout, nil
+}
+
+// deleteDests deletes real servers terminate gave up on.
+func (b *Backend) deleteDests(ctx context.Context, svc *ipvs.Service, dels []*ipvs.Destination, st *SyncStats) error {
+	logger := klog.FromContext(ctx)
+	k := keyOf(svc)
+	var errs []error
+	for _, d := range dels {
+		if err := b.ipvs.DeleteDestination(ctx, svc, d); err != nil && !errors.Is(err, ipvs.ErrNotExist) {
+			errs = append(errs, err)
+			continue
+		}
+		st.DestinationsDeleted++
+		dk := destKey{d.Address, d.Port}
+		b.clearTerminating(k, dk)
+		logger.V(3).Info("Deleted IPVS real server", "virtualServer", k, "realServer", dk,
+			"activeConnections", d.ActiveConnections, "inactiveConnections", d.InactiveConnections)
 	}
-	return nil
+	return errors.Join(errs...)
 }
 
 func (b *Backend) clearTerminating(k vsKey, dk destKey) {
@@ -246,7 +270,11 @@ func (b *Backend) processTerminating(ctx context.Context, skip map[vsKey]bool, s
 			case want[dk]:
 				// Wanted again: reconciled by the sync that touches it.
 			default:
-				if err := b.terminate(ctx, &t.svc, d, st); err != nil {
+				del, err := b.terminate(ctx, &t.svc, d, st)
+				if err == nil && del {
+					err = b.deleteDests(ctx, &t.svc, []*ipvs.Destination{d}, st)
+				}
+				if err != nil {
 					errs = append(errs, err)
 				}
 			}
@@ -271,35 +299,43 @@ func (b *Backend) deleteVS(ctx context.Context, svc *ipvs.Service, st *SyncStats
 	return err
 }
 
-// setChanges compares every set's entries with those wanted (full sync).
-func (b *Backend) setChanges(ctx context.Context) (added, removed []setEntry, errs []error) {
-	want := map[string]map[ipset.Entry]bool{}
-	for e := range b.entryRefs {
-		if want[e.set] == nil {
-			want[e.set] = map[ipset.Entry]bool{}
-		}
-		want[e.set][e.entry] = true
-	}
+// kernelEntries lists the entries of every set of this family (full
+// sync).
+func (b *Backend) kernelEntries(ctx context.Context) (map[setEntry]bool, error) {
+	out := map[setEntry]bool{}
 	for _, name := range cleanup.IPVSSetNames(b.ipv6) {
 		have, err := b.ipset.Entries(ctx, name)
 		if err != nil {
-			errs = append(errs, err)
-			continue
+			return nil, err
 		}
-		seen := make(map[ipset.Entry]bool, len(have))
 		for _, e := range have {
-			seen[e] = true
-			if !want[name][e] {
-				removed = append(removed, setEntry{name, e})
-			}
-		}
-		for e := range want[name] {
-			if !seen[e] {
-				added = append(added, setEntry{name, e})
-			}
+			out[setEntry{name, e}] = true
 		}
 	}
-	return added, removed, errs
+	return out, nil
+}
+
+func compareSetEntries(a, b setEntry) int {
+	if c := strings.Compare(a.set, b.set); c != 0 {
+		return c
+	}
+	x, y := a.entry, b.entry
+	if c := x.IP.Compare(y.IP); c != 0 {
+		return c
+	}
+	if c := strings.Compare(x.Protocol, y.Protocol); c != 0 {
+		return c
+	}
+	if x.Port != y.Port {
+		return int(x.Port) - int(y.Port)
+	}
+	if c := x.IP2.Compare(y.IP2); c != 0 {
+		return c
+	}
+	if c := x.Net.Addr().Compare(y.Net.Addr()); c != 0 {
+		return c
+	}
+	return x.Net.Bits() - y.Net.Bits()
 }
 
 // applyEntries adds and deletes set entries.

@@ -3,8 +3,10 @@ package ipvs
 import (
 	"crypto/sha256"
 	"encoding/base32"
+	"net/netip"
 	"strings"
 
+	"github.com/kproxy/kproxy/pkg/ipset"
 	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/proxier/cleanup"
 )
@@ -74,7 +76,19 @@ const (
 	setNodePortReject   = cleanup.SetNodePortReject
 	setHealthCheckNodeP = cleanup.SetHealthCheckNodeP
 	setIPVSAddresses    = cleanup.SetIPVSAddresses
+	setCanary           = cleanup.SetCanary
 )
+
+// canaryEntry is the one entry of the canary set, which no rule matches:
+// every sync keeps it, and a flush of every set (ipset flush) removes it
+// (checkIntact).
+func canaryEntry(ipv6 bool) setEntry {
+	ip := netip.AddrFrom4([4]byte{127, 0, 0, 1})
+	if ipv6 {
+		ip = netip.IPv6Loopback()
+	}
+	return setEntry{setName(setCanary, ipv6), ipset.Entry{IP: ip}}
+}
 
 // setName is the name of base for the family.
 func setName(base string, ipv6 bool) string { return cleanup.SetName(base, ipv6) }

@@ -37,8 +37,10 @@ func ruleCounts(rs *ipt.RuleSet) map[string]int {
 }
 
 // renderRules renders IPVS mode's chains: constant apart from the shortcut
-// rules and the service ports' own chains (clusterChain).
-func (b *Backend) renderRules(shortcut []string) *ipt.RuleSet {
+// rules and the service ports' own chains (clusterChain), which come from
+// the plans, a plan of override replacing the port's own (nil: none).
+func (b *Backend) renderRules(override map[proxy.ServicePortName]*servicePlan) *ipt.RuleSet {
+	shortcut := b.shortcutRules(override)
 	set := func(base string) string { return setName(base, b.ipv6) }
 	match := func(base, flags string) string { return "-m set --match-set " + set(base) + " " + flags }
 	masq := "-j MASQUERADE"
@@ -135,9 +137,18 @@ func (b *Backend) renderRules(shortcut []string) *ipt.RuleSet {
 			comment("kproxy forwarding conntrack rule") + " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
 		},
 	}
-	for _, p := range b.plans {
-		for c, rules := range p.chains {
-			nat[c] = rules
+	for n, p := range b.plans {
+		if _, ok := override[n]; !ok {
+			for c, rules := range p.chains {
+				nat[c] = rules
+			}
+		}
+	}
+	for _, p := range override {
+		if p != nil {
+			for c, rules := range p.chains {
+				nat[c] = rules
+			}
 		}
 	}
 	// The node's own new connections to a LoadBalancer IP with source

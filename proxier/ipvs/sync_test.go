@@ -34,6 +34,8 @@ type harness struct {
 	backend *Backend
 	engine  *proxier.Engine
 	clock   *testingclock.FakeClock
+	// last is the engine's report of the last sync.
+	last proxier.SyncResult
 }
 
 func newHarness(t *testing.T, k *fakeKernel, opts Options) *harness {
@@ -46,7 +48,7 @@ func newHarness(t *testing.T, k *fakeKernel, opts Options) *harness {
 	h.backend = k.backend(t, opts)
 	env := pt.DefaultEnv()
 	env.NodeIPs, env.ClusterCIDR = []netip.Addr{nodeIP}, clusterCIDR
-	h.engine = pt.NewEngine(t, h.backend, pt.EngineOptions{Env: env, Clock: h.clock})
+	h.engine = pt.NewEngine(t, h.backend, pt.EngineOptions{Env: env, Clock: h.clock, OnSync: func(r proxier.SyncResult) { h.last = r }})
 	return h
 }
 

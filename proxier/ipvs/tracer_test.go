@@ -30,6 +30,26 @@ type fakeKernel struct {
 	sysctl  *FakeSysctl
 	ipv6    bool
 	nodeIPs []netip.Addr
+	// refuseRestore, when set, makes the backend's iptables-restore runs
+	// fail with its error, before the fake applies anything (a kernel
+	// without a match module refuses the whole table).
+	refuseRestore func(data string) error
+}
+
+// gatedIPTables is the fake iptables as the backend sees it: restores go
+// through the kernel's refuseRestore first.
+type gatedIPTables struct {
+	*iptablestest.Fake
+	k *fakeKernel
+}
+
+func (g gatedIPTables) Restore(ctx context.Context, data []byte) error {
+	if refuse := g.k.refuseRestore; refuse != nil {
+		if err := refuse(string(data)); err != nil {
+			return fmt.Errorf("iptables-restore: %w", err)
+		}
+	}
+	return g.Fake.Restore(ctx, data)
 }
 
 func newFakeKernel(t testing.TB, family v1.IPFamily, nodeIPs []netip.Addr) *fakeKernel {
@@ -68,7 +88,7 @@ func newFakeKernel(t testing.TB, family v1.IPFamily, nodeIPs []netip.Addr) *fake
 // backend returns a Backend over k with opts' kernel interfaces filled in.
 func (k *fakeKernel) backend(t testing.TB, opts Options) *Backend {
 	t.Helper()
-	opts.IPVS, opts.Netlink, opts.IPSet, opts.IPTables, opts.Sysctl = k.ipvs, k.nl, k.sets, k.ipt, k.sysctl
+	opts.IPVS, opts.Netlink, opts.IPSet, opts.IPTables, opts.Sysctl = k.ipvs, k.nl, k.sets, gatedIPTables{k.ipt, k}, k.sysctl
 	b, err := New(opts)
 	if err != nil {
 		t.Fatalf("New: %v", err)
