@@ -255,6 +255,21 @@ func New(opts Options) (*Backend, error) {
 // 10,000 services. Transactions go to nft with each run of element
 // commands on one set or map merged into one command (execNFT).
 func NewInterface(family v1.IPFamily) (knftables.Interface, error) {
+	return NewInterfaceWith(InterfaceOptions{Family: family})
+}
+
+// InterfaceOptions configure NewInterfaceWith.
+type InterfaceOptions struct {
+	// Family is v1.IPv4Protocol or v1.IPv6Protocol.
+	Family v1.IPFamily
+	// Timeout bounds each nft transaction (nft is killed with its process
+	// group after it); zero is the default, 60 s.
+	Timeout time.Duration
+}
+
+// NewInterfaceWith is NewInterface with options.
+func NewInterfaceWith(opts InterfaceOptions) (knftables.Interface, error) {
+	family := opts.Family
 	fam := knftables.IPv4Family
 	switch family {
 	case v1.IPv4Protocol:
@@ -263,7 +278,7 @@ func NewInterface(family v1.IPFamily) (knftables.Interface, error) {
 	default:
 		return nil, fmt.Errorf("nftables: unknown IP family %q", family)
 	}
-	nft, err := newExecNFT(execOptions{Family: fam, Table: TableName})
+	nft, err := newExecNFT(execOptions{Family: fam, Table: TableName, Timeout: opts.Timeout})
 	if err != nil {
 		return nil, err
 	}

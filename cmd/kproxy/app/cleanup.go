@@ -109,7 +109,7 @@ func cleanupAll(ctx context.Context, ipts map[v1.IPFamily]ipt.Interface, kc *ker
 // families, and returns. Without a usable iptables it still removes the
 // rest, and reports it.
 func RunCleanup(ctx context.Context, o *Options) error {
-	ipts, iptErr := iptablesFor(ctx)
+	ipts, iptErr := iptablesFor(ctx, o)
 	if iptErr != nil {
 		ipts = nil
 	}

@@ -41,7 +41,7 @@ func startConntrack(ctx context.Context, o *Options, deps runDeps) (conntrack.In
 	if deps.conntrack != nil {
 		return deps.conntrack, func() {}, nil
 	}
-	ct, err := conntrack.New(conntrack.Options{})
+	ct, err := conntrack.New(conntrack.Options{Timeout: o.KernelCallTimeout})
 	if err != nil {
 		logger.Error(err, "Cannot delete stale UDP conntrack entries; continuing without")
 		return nil, func() {}, nil

@@ -59,7 +59,7 @@ func openIPVSKernel(ctx context.Context, o *Options, required bool) (*ipvsKernel
 		}
 	}
 	if required || ipvsLoaded() {
-		r, err := ipvs.New(ipvs.Options{})
+		r, err := ipvs.New(ipvs.Options{Timeout: o.KernelCallTimeout})
 		if err != nil {
 			if required {
 				return fail(fmt.Errorf("--proxy-mode=ipvs: %w", err))
@@ -69,12 +69,12 @@ func openIPVSKernel(ctx context.Context, o *Options, required bool) (*ipvsKernel
 			k.ipvs = r
 		}
 	}
-	nl, err := netlink.New(netlink.Options{})
+	nl, err := netlink.New(netlink.Options{Timeout: o.KernelCallTimeout})
 	if err != nil {
 		return fail(fmt.Errorf("netlink (for the dummy device %s): %w", ipvsbackend.DefaultDummyDevice, err))
 	}
 	k.nl = nl
-	sets, err := ipset.New(ipset.Options{})
+	sets, err := ipset.New(ipset.Options{Timeout: o.KernelCallTimeout})
 	if err == nil {
 		if _, err = sets.ListSets(ctx); err != nil {
 			_ = sets.Close()

@@ -19,17 +19,17 @@ import (
 // of each usable family. IPv4 is required: without the nft command or the
 // kernel's nf_tables the error says so (kproxy never falls back to another
 // mode); IPv6 is optional, as in iptables mode.
-func nftablesFor(ctx context.Context, deps runDeps) (map[v1.IPFamily]knftables.Interface, error) {
+func nftablesFor(ctx context.Context, o *Options, deps runDeps) (map[v1.IPFamily]knftables.Interface, error) {
 	if deps.nftables != nil {
 		return deps.nftables, nil
 	}
 	out := map[v1.IPFamily]knftables.Interface{}
-	v4, err := nftbackend.NewInterface(v1.IPv4Protocol)
+	v4, err := nftbackend.NewInterfaceWith(nftbackend.InterfaceOptions{Family: v1.IPv4Protocol, Timeout: o.KernelCallTimeout})
 	if err != nil {
 		return nil, fmt.Errorf("--proxy-mode=nftables needs the nft command (nftables v1.0.1 or later) and the kernel's nf_tables: %w", err)
 	}
 	out[v1.IPv4Protocol] = v4
-	v6, err := nftbackend.NewInterface(v1.IPv6Protocol)
+	v6, err := nftbackend.NewInterfaceWith(nftbackend.InterfaceOptions{Family: v1.IPv6Protocol, Timeout: o.KernelCallTimeout})
 	if err != nil {
 		klog.FromContext(ctx).Info("IPv6 nftables is not usable; running IPv4 only", "err", err)
 	} else {

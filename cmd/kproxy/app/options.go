@@ -43,11 +43,14 @@ type Options struct {
 	ClusterCIDR      string
 	// BindAddress is kube-proxy's --bind-address: this node's primary IP
 	// when it is a specific address (0.0.0.0 or ::: none).
-	BindAddress        string
-	MasqueradeAll      bool
-	MasqueradeBit      int
-	SyncPeriod         time.Duration
-	MinSyncPeriod      time.Duration
+	BindAddress   string
+	MasqueradeAll bool
+	MasqueradeBit int
+	SyncPeriod    time.Duration
+	MinSyncPeriod time.Duration
+	// KernelCallTimeout bounds every kernel call (an iptables or nft
+	// run, a netlink request); zero keeps each interface's default.
+	KernelCallTimeout  time.Duration
 	NodePortAddresses  []string
 	ConfigSyncPeriod   time.Duration
 	ServiceProxyName   string
@@ -118,6 +121,7 @@ func (o *Options) AddFlags(fs *pflag.FlagSet) {
 	fs.DurationVar(&o.MinSyncPeriod, "iptables-min-sync-period", o.MinSyncPeriod, "The minimum interval between rule syncs in iptables and nftables modes as endpoints and services change (e.g. '5s', '1m'). 0 syncs at once.")
 	fs.StringVar(&o.BindAddress, "bind-address", o.BindAddress, "Overrides kproxy's idea of this node's primary IP (for its family; kproxy binds nothing to it, the name is kube-proxy's). '0.0.0.0' or '::': the Node object's first InternalIP (else ExternalIP) of each family.")
 	fs.StringSliceVar(&o.NodePortAddresses, "nodeport-addresses", o.NodePortAddresses, "A list of CIDR ranges and/or keywords selecting the node addresses that accept NodePort traffic (e.g. '10.0.0.0/8,fd00::/64' or 'primary'). Keywords: 'primary' (this node's primary IP of each family, see --bind-address), 'localhost' (127.0.0.0/8 and ::1/128) and 'all' (0.0.0.0/0 and ::/0). Each IP family reads only its own values: a family with none (the flag unset, or naming only the other family) serves NodePorts on every address. Unset in nftables mode means 'primary', as in kube-proxy. Loopback addresses never serve NodePorts, even when listed. NodePorts without endpoints are rejected on every local address.")
+	fs.DurationVar(&o.KernelCallTimeout, "kernel-call-timeout", o.KernelCallTimeout, "The deadline of every kernel call: an iptables, iptables-restore or nft run is killed after it, a netlink request abandoned, and the sync fails and is retried. 0 uses the defaults: 30s for single iptables commands and netlink requests, 60s for iptables-restore, nft transactions and conntrack cleanup.")
 	fs.DurationVar(&o.ConfigSyncPeriod, "config-sync-period", o.ConfigSyncPeriod, "How often informers resync from the API server. Must be greater than 0.")
 	fs.StringVar(&o.ServiceProxyName, "service-proxy-name", o.ServiceProxyName, "Handle only Services labelled service.kubernetes.io/service-proxy-name=<name>. Empty: only Services without that label, like kube-proxy.")
 	fs.BoolVar(&o.ShowVersion, "version", o.ShowVersion, "Print the version and exit.")
@@ -158,6 +162,9 @@ func (o *Options) Validate() error {
 	}
 	if o.SyncPeriod <= 0 {
 		errs = append(errs, fmt.Errorf("--iptables-sync-period=%v must be greater than 0", o.SyncPeriod))
+	}
+	if o.KernelCallTimeout < 0 {
+		errs = append(errs, fmt.Errorf("--kernel-call-timeout=%v must not be negative", o.KernelCallTimeout))
 	}
 	if o.MinSyncPeriod < 0 {
 		errs = append(errs, fmt.Errorf("--iptables-min-sync-period=%v must not be negative", o.MinSyncPeriod))

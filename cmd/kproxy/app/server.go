@@ -96,15 +96,16 @@ topology-aware routing.`,
 
 // iptablesFor returns a real iptables interface for each usable family;
 // IPv6 is optional (a node without ip6tables or IPv6 runs IPv4 only).
-func iptablesFor(ctx context.Context) (map[v1.IPFamily]ipt.Interface, error) {
+func iptablesFor(ctx context.Context, o *Options) (map[v1.IPFamily]ipt.Interface, error) {
 	logger := klog.FromContext(ctx)
 	out := map[v1.IPFamily]ipt.Interface{}
-	v4, err := ipt.New(ctx, ipt.Options{Protocol: ipt.ProtocolIPv4})
+	timeout := o.KernelCallTimeout
+	v4, err := ipt.New(ctx, ipt.Options{Protocol: ipt.ProtocolIPv4, Timeout: timeout, RestoreTimeout: timeout})
 	if err != nil {
 		return nil, fmt.Errorf("iptables (IPv4) is not usable: %w", err)
 	}
 	out[v1.IPv4Protocol] = v4
-	v6, err := ipt.New(ctx, ipt.Options{Protocol: ipt.ProtocolIPv6})
+	v6, err := ipt.New(ctx, ipt.Options{Protocol: ipt.ProtocolIPv6, Timeout: timeout, RestoreTimeout: timeout})
 	if err != nil {
 		logger.Info("IPv6 iptables is not usable; running IPv4 only", "err", err)
 	} else {
@@ -181,7 +182,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	// kernel's nf_tables.
 	var nfts map[v1.IPFamily]knftables.Interface
 	if mode == ModeNFTables {
-		if nfts, err = nftablesFor(ctx, deps); err != nil {
+		if nfts, err = nftablesFor(ctx, o, deps); err != nil {
 			return err
 		}
 	}
@@ -204,7 +205,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 	}
 	ipts := deps.iptables
 	if ipts == nil {
-		if ipts, err = iptablesFor(ctx); err != nil {
+		if ipts, err = iptablesFor(ctx, o); err != nil {
 			if mode != ModeNFTables {
 				return err
 			}
