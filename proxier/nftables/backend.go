@@ -212,7 +212,7 @@ type Backend struct {
 	// records.
 	setAside   map[proxy.ServicePortName]error
 	lastCanary time.Time
-	last        SyncStats
+	last       SyncStats
 }
 
 var _ proxier.Backend = (*Backend)(nil)

@@ -445,7 +445,10 @@ func (f *fullSync) refusedMain(ctx context.Context, err error, p *plan, ops int,
 	if dropped {
 		return nil
 	}
-	active := func(name proxy.ServicePortName) bool { _, out := f.refused[name]; return !out && f.renders[name] != nil }
+	active := func(name proxy.ServicePortName) bool {
+		_, out := f.refused[name]
+		return !out && f.renders[name] != nil
+	}
 	refused, shared, ok := hintedRefusals(err, ops, p.locate, ti, active)
 	switch {
 	case shared:
