@@ -97,6 +97,15 @@
 // makes the next sync a rebuild: every chain, map and set flushed and
 // rewritten in one transaction (atomically: traffic never sees an empty
 // table). Single elements deleted by someone else are not detected.
+//
+// # Set-aside service ports
+//
+// When nft refuses a transaction for some service ports' elements (the
+// line it reports leads to them; else they are bisected with "nft
+// --check"), those are set aside: the sync writes everything else and
+// succeeds, and they keep what the table has for them (setaside.go). A
+// refused shared object, or a table that lacks what the state says it
+// has, still fails (and rebuilds).
 package nftables
 
 import (

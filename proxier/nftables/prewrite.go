@@ -38,6 +38,8 @@ type preWriter struct {
 	pending []*destRender
 	n       int
 	strs    stringCache
+	// retryStrs is the goroutine's, for the chunks it builds again.
+	retryStrs stringCache
 	// emitted are the destinations offer took, with the hash and counts
 	// of their slots: the main transaction treats them as the table's
 	// (and rewrites one whose owner turned out to be another) until wait
@@ -124,14 +126,15 @@ func (w *preWriter) unstarted() bool {
 	return true
 }
 
-// build is the transaction of the slots of drs.
-func (w *preWriter) build(drs []*destRender) *knftables.Transaction {
+// build is the transaction of the slots of drs, its strings shared
+// through strs (the goroutine has its own).
+func (w *preWriter) build(drs []*destRender, strs *stringCache) *knftables.Transaction {
 	tx := w.b.nft.NewTransaction()
 	for _, o := range w.header {
 		tx.Add(o)
 	}
 	for _, dr := range drs {
-		objs := dr.endpointObjects(&w.strs)
+		objs := dr.endpointObjects(strs)
 		for i := range objs {
 			tx.Add(&objs[i])
 		}
@@ -146,7 +149,7 @@ func (w *preWriter) flush() error {
 	if len(w.pending) == 0 {
 		return nil
 	}
-	c := preChunk{drs: w.pending, tx: w.build(w.pending)}
+	c := preChunk{drs: w.pending, tx: w.build(w.pending, &w.strs)}
 	w.pending, w.n = nil, 0
 	if w.work == nil {
 		w.work = make(chan preChunk)
@@ -206,7 +209,7 @@ func (w *preWriter) runChunk(c preChunk) error {
 		if len(drs) == 0 {
 			return nil
 		}
-		tx = w.build(drs)
+		tx = w.build(drs, &w.retryStrs)
 	}
 }
 
@@ -247,7 +250,7 @@ func (w *preWriter) refusedIn(drs []*destRender, tx *knftables.Transaction, err 
 	}
 	slices.SortFunc(units, proxy.ServicePortName.Compare)
 	return bisectRefused(w.ctx, w.b.nft, units, err, func(accepted []proxy.ServicePortName) *knftables.Transaction {
-		return w.build(slices.DeleteFunc(slices.Clone(drs), func(dr *destRender) bool { return !slices.Contains(accepted, dr.owner) }))
+		return w.build(slices.DeleteFunc(slices.Clone(drs), func(dr *destRender) bool { return !slices.Contains(accepted, dr.owner) }), &w.retryStrs)
 	})
 }
 

@@ -3,6 +3,7 @@ package nftables
 import (
 	"context"
 	"maps"
+	"net/netip"
 	"slices"
 	"strings"
 	"testing"
@@ -274,12 +275,31 @@ func TestSetAsideDeleted(t *testing.T) {
 // TestSetAsideAfterRestart: a new process whose first sync (a reconcile
 // over the table an earlier one wrote) is refused for one service keeps
 // what the table has for it: its slots come from listing the endpoints
-// map, since the process has no state of its own yet. Another service's
-// change, made while kproxy was down, is programmed.
+// map, since the process has no state of its own yet. Other services'
+// changes, made while kproxy was down, are programmed; with small chunks,
+// the slots of the new destinations go ahead (preWriter), the refused
+// ones among them.
 func TestSetAsideAfterRestart(t *testing.T) {
-	for _, chunk := range []int{0, 2} {
-		t.Run("chunk "+string(rune('0'+chunk)), func(t *testing.T) {
-			objects := func(f *harness) { addServices(f, 20); addBad(f, "10.244.9.9", "10.244.9.10") }
+	for _, tc := range []struct {
+		name  string
+		chunk int
+		// before are bad's endpoints in the table (none: no bad), after
+		// those the new process is given, refuse what it refuses.
+		before, after []string
+		refuse        string
+	}{
+		{name: "update refused", before: []string{"10.244.9.9", "10.244.9.10"}, after: []string{"10.244.9.9", "10.244.66.6"}, refuse: "10.244.66.6"},
+		{name: "update refused, slots ahead", chunk: 2, before: []string{"10.244.9.9", "10.244.9.10"}, after: []string{"10.244.9.9", "10.244.66.6"}, refuse: "10.244.66.6"},
+		{name: "new service refused", after: []string{"10.244.9.9"}, refuse: badClusterIP},
+		{name: "new service refused, slots ahead", chunk: 2, after: []string{"10.244.9.9"}, refuse: badClusterIP},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			objects := func(f *harness) {
+				addServices(f, 20)
+				if tc.before != nil {
+					addBad(f, tc.before...)
+				}
+			}
 			first := newHarness(t, nil, Options{})
 			objects(first)
 			first.sync()
@@ -288,26 +308,28 @@ func TestSetAsideAfterRestart(t *testing.T) {
 			if err := fake.ParseDump(first.fake.Dump()); err != nil {
 				t.Fatal(err)
 			}
-			second := newHarness(t, fake, Options{EndpointChunk: chunk})
-			objects(second)
-			changeS3(second)
+			second := newHarness(t, fake, Options{EndpointChunk: tc.chunk})
 			// More services, whose slots go ahead with chunk 2.
-			for i := 20; i < 25; i++ {
-				s, sl := svcN(i)
-				second.engine.OnServiceAdd(s)
-				second.engine.OnEndpointSliceAdd(sl)
-			}
-			addBad(second, "10.244.9.9", "10.244.66.6")
-			second.nft.refuse = refuseMentions("10.244.66.6")
+			addServices(second, 25)
+			changeS3(second)
+			addBad(second, tc.after...)
+			second.nft.refuse = refuseMentions(tc.refuse)
 			if st := second.sync(); st.Mode != modeReconcile {
 				t.Errorf("first sync after the restart was %s", st.Mode)
 			}
 			checkSetAside(t, second, badName)
-			second.flows(append(flowBad("10.244.9.10", "10.244.9.9"), flowS3Changed)...)
+			second.flows(flowS3Changed)
+			if tc.before != nil {
+				second.flows(flowBad(tc.before...)...)
+			} else {
+				second.flows(flowBadGone, flowBadNPGone)
+			}
 			checkTable(t, second, func(f *harness) {
 				addServices(f, 25)
 				changeS3(f)
-				addBad(f, "10.244.9.9", "10.244.9.10")
+				if tc.before != nil {
+					addBad(f, tc.before...)
+				}
 			})
 		})
 	}
@@ -346,4 +368,52 @@ func TestSetAsideNotForSharedObjects(t *testing.T) {
 	}
 	checkSetAside(t, h)
 	h.flows(flowS3Changed)
+}
+
+// TestSetAsideUnrenderable: a service port the backend cannot render (a
+// state a renderer bug or a model it does not expect gives it) is set
+// aside as a refused one is, in full and partial syncs alike.
+func TestSetAsideUnrenderable(t *testing.T) {
+	opts := proxy.DecisionOptions{ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"), NodeIP: netip.MustParseAddr("10.0.0.1")}
+	svcs := map[string]string{"a": "10.96.0.1", "b": "10.96.0.2", "c": "10.96.0.3"}
+	// broken gives b a decision to deliver over an empty list.
+	broken := func(ns *proxy.NodeState) *proxy.NodeState {
+		for name, st := range ns.Services {
+			if name.Name == "b" {
+				st.ClusterEndpoints, st.AllEndpoints = nil, nil
+			}
+		}
+		return ns
+	}
+	bName := proxy.ServicePortName{NamespacedName: types.NamespacedName{Namespace: "ns", Name: "b"}, Port: "p", Protocol: v1.ProtocolTCP}
+	flowA := pt.Flow{Name: "a", Source: "10.244.1.9", Dest: "10.96.0.1", Port: 80, Want: pt.Delivered, WantEndpoints: []string{"10.244.2.1:8080"}}
+	flowB := pt.Flow{Name: "b", Source: "10.244.1.9", Dest: "10.96.0.2", Port: 80, Want: pt.Delivered, WantEndpoints: []string{"10.244.2.2:8080"}}
+	ctx := context.Background()
+	for _, full := range []bool{true, false} {
+		h := newHarness(t, nil, Options{})
+		if !full {
+			if _, err := h.backend.Sync(ctx, nodeState(opts, nil, svcs), true); err != nil {
+				t.Fatal(err)
+			}
+		}
+		res, err := h.backend.Sync(ctx, broken(nodeState(opts, []string{"b"}, svcs)), full)
+		if err != nil {
+			t.Fatalf("full=%v: %v", full, err)
+		}
+		if len(res.SetAside) != 1 || res.SetAside[bName] == nil {
+			t.Errorf("full=%v: set aside %v, want %s", full, res.SetAside, bName)
+		}
+		h.flows(flowA)
+		if full {
+			h.flows(pt.Flow{Name: "b", Source: "10.244.1.9", Dest: "10.96.0.2", Port: 80, Want: pt.NotHandled})
+		} else {
+			h.flows(flowB) // its last good elements
+		}
+		// Renderable again, when it changes: programmed.
+		res, err = h.backend.Sync(ctx, nodeState(opts, []string{"b"}, svcs), false)
+		if err != nil || len(res.SetAside) != 0 {
+			t.Errorf("full=%v: the retry: set aside %v, err %v", full, res.SetAside, err)
+		}
+		h.flows(flowA, flowB)
+	}
 }
