@@ -219,7 +219,11 @@ type Backend struct {
 	// "Set-aside service ports in nftables mode"), with the error that
 	// set each aside: the table has what it had for them, which state
 	// records.
-	setAside   map[proxy.ServicePortName]error
+	setAside map[proxy.ServicePortName]error
+	// refused are those the last sync refused (or could not render):
+	// every set-aside one after a full sync, the changed ones after a
+	// partial one.
+	refused    map[proxy.ServicePortName]error
 	lastCanary time.Time
 	last       SyncStats
 }
@@ -292,10 +296,14 @@ func NewInterface(family v1.IPFamily) (knftables.Interface, error) {
 // an earlier one that did not retry them since (docs/design.md,
 // "Set-aside service ports in nftables mode").
 func (b *Backend) SetAside() map[proxy.ServicePortName]error {
-	if len(b.setAside) == 0 {
+	return refusedCopy(b.setAside)
+}
+
+func refusedCopy(m map[proxy.ServicePortName]error) map[proxy.ServicePortName]error {
+	if len(m) == 0 {
 		return nil
 	}
-	return maps.Clone(b.setAside)
+	return maps.Clone(m)
 }
 
 // LastSync returns the statistics of the last successful sync.
@@ -363,7 +371,7 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 		RulesWritten:  map[string]int{"nat": st.RulesWritten["nat"], "filter": st.RulesWritten["filter"]},
 		ChainsWritten: st.ChainsWritten, ChainsDeleted: st.ChainsDeleted,
 		KernelWrites: st.Transactions, KernelTime: st.KernelTime,
-		SetAside: b.SetAside(),
+		SetAside: refusedCopy(b.refused),
 	}, nil
 }
 

@@ -141,7 +141,7 @@ func (b *Backend) syncFull(ctx context.Context, l *layout, state *proxy.NodeStat
 		}
 		next = f.build(nil)
 	}
-	b.setAside = f.refused
+	b.setAside, b.refused = maps.Clone(f.refused), f.refused
 	return next, nil
 }
 

@@ -111,6 +111,7 @@ func (b *Backend) syncPartial(ctx context.Context, l *layout, state *proxy.NodeS
 			refused[name] = e
 		}
 	}
+	b.refused = refused
 	for name := range next {
 		if e, out := refused[name]; out {
 			b.setAside[name] = e

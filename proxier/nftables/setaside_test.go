@@ -75,21 +75,30 @@ func flowBad(eps ...string) []pt.Flow {
 	}
 }
 
-// checkSetAside checks the last sync's result: no error, and exactly want
-// set aside.
-func checkSetAside(t *testing.T, h *harness, want ...proxy.ServicePortName) {
+// checkSetAside checks the last sync: no error, exactly want set aside
+// after it (Backend.SetAside), and its result's SetAside, the service
+// ports it refused, among them; refusedNow says that it refused all of
+// them (it retried them).
+func checkSetAside(t *testing.T, h *harness, refusedNow bool, want ...proxy.ServicePortName) {
 	t.Helper()
 	if h.last.Err != nil {
 		t.Fatalf("sync failed: %v", h.last.Err)
 	}
-	got := slices.SortedFunc(maps.Keys(h.last.Backend.SetAside), proxy.ServicePortName.Compare)
-	if !slices.Equal(got, want) {
-		t.Errorf("set aside %v, want %v (%v)", got, want, h.last.Backend.SetAside)
+	current := h.backend.SetAside()
+	if got := slices.SortedFunc(maps.Keys(current), proxy.ServicePortName.Compare); !slices.Equal(got, want) {
+		t.Errorf("set aside %v, want %v", current, want)
 	}
-	for name, err := range h.last.Backend.SetAside {
+	for name, err := range current {
 		if err == nil {
 			t.Errorf("%s set aside without an error", name)
 		}
+	}
+	got := slices.SortedFunc(maps.Keys(h.last.Backend.SetAside), proxy.ServicePortName.Compare)
+	switch {
+	case refusedNow && !slices.Equal(got, want):
+		t.Errorf("the sync refused %v, want %v", got, want)
+	case !refusedNow && len(got) > 0:
+		t.Errorf("the sync refused %v, want none (it retried nothing)", got)
 	}
 }
 
@@ -134,7 +143,7 @@ func TestSetAsideFullSync(t *testing.T) {
 			if st := h.sync(); st.Mode != modeReconcile {
 				t.Errorf("first sync was %s", st.Mode)
 			}
-			checkSetAside(t, h, badName)
+			checkSetAside(t, h, true, badName)
 			h.flows(flowS5, flowBadGone, flowBadNPGone)
 			checkTable(t, h, func(f *harness) { addServices(f, 20) })
 
@@ -144,7 +153,7 @@ func TestSetAsideFullSync(t *testing.T) {
 			if st := h.sync(); st.Mode != modePartial || h.nft.runs != runs {
 				t.Errorf("idle sync: mode %s, %d transactions", st.Mode, h.nft.runs-runs)
 			}
-			checkSetAside(t, h, badName)
+			checkSetAside(t, h, false, badName)
 
 			// Another change goes through, partially.
 			changeS3(h)
@@ -152,7 +161,7 @@ func TestSetAsideFullSync(t *testing.T) {
 			if st := h.sync(); st.Mode != modePartial {
 				t.Errorf("sync of another change was %s", st.Mode)
 			}
-			checkSetAside(t, h, badName)
+			checkSetAside(t, h, false, badName)
 			h.flows(flowS3Changed, flowBadGone)
 
 			// A full sync still refused: aside again, no rebuild.
@@ -160,7 +169,7 @@ func TestSetAsideFullSync(t *testing.T) {
 			if st := h.sync(); st.Mode != modeReconcile || st.Operations != 0 {
 				t.Errorf("full sync: mode %s with %d operations, want %s with none", st.Mode, st.Operations, modeReconcile)
 			}
-			checkSetAside(t, h, badName)
+			checkSetAside(t, h, true, badName)
 			h.clock.Step(time.Second)
 			if st := h.sync(); st.Mode != modePartial {
 				t.Errorf("sync after the full one was %s", st.Mode)
@@ -171,7 +180,7 @@ func TestSetAsideFullSync(t *testing.T) {
 			h.nft.refuse = nil
 			h.clock.Step(2 * time.Hour)
 			h.sync()
-			checkSetAside(t, h)
+			checkSetAside(t, h, false)
 			h.flows(flowBad("10.244.9.9")...)
 			checkTable(t, h, func(f *harness) { addServices(f, 20); changeS3(f); addBad(f, "10.244.9.9") })
 		})
@@ -212,7 +221,7 @@ func TestSetAsidePartialSync(t *testing.T) {
 				h := newHarness(t, nil, Options{})
 				lastGood(h)
 				h.sync()
-				checkSetAside(t, h)
+				checkSetAside(t, h, false)
 
 				h.nft.refuse, h.nft.refuseNoLine = refuseMentions(tc.refuse), noLine
 				addBad(h, tc.after...)
@@ -221,7 +230,7 @@ func TestSetAsidePartialSync(t *testing.T) {
 				if st := h.sync(); st.Mode != modePartial {
 					t.Errorf("sync was %s, want %s", st.Mode, modePartial)
 				}
-				checkSetAside(t, h, badName)
+				checkSetAside(t, h, true, badName)
 				h.flows(flowS3Changed, flowS5)
 				if tc.before == nil {
 					h.flows(flowBadGone, flowBadNPGone)
@@ -236,7 +245,7 @@ func TestSetAsidePartialSync(t *testing.T) {
 				if st := h.sync(); st.Mode != modeReconcile || st.Operations != 0 {
 					t.Errorf("full sync: mode %s with %d operations, want %s with none", st.Mode, st.Operations, modeReconcile)
 				}
-				checkSetAside(t, h, badName)
+				checkSetAside(t, h, true, badName)
 				checkTable(t, h, withS3)
 
 				// Changed again, and no longer refused: programmed.
@@ -246,7 +255,7 @@ func TestSetAsidePartialSync(t *testing.T) {
 				if st := h.sync(); st.Mode != modePartial {
 					t.Errorf("retry was %s", st.Mode)
 				}
-				checkSetAside(t, h)
+				checkSetAside(t, h, false)
 				h.flows(flowBad("10.244.9.8")...)
 				checkTable(t, h, func(f *harness) { withS3(f); addBad(f, "10.244.9.8") })
 			})
@@ -263,12 +272,12 @@ func TestSetAsideDeleted(t *testing.T) {
 	h.nft.refuse = refuseMentions(badClusterIP)
 	addBad(h, "10.244.9.9")
 	h.sync()
-	checkSetAside(t, h, badName)
+	checkSetAside(t, h, true, badName)
 	h.engine.OnServiceDelete(pt.Service("bad", badClusterIP))
 	h.engine.OnEndpointSliceDelete(pt.Slice("bad", 8080))
 	h.clock.Step(time.Second)
 	h.sync()
-	checkSetAside(t, h)
+	checkSetAside(t, h, false)
 	checkTable(t, h, func(f *harness) { addServices(f, 5) })
 }
 
@@ -317,7 +326,7 @@ func TestSetAsideAfterRestart(t *testing.T) {
 			if st := second.sync(); st.Mode != modeReconcile {
 				t.Errorf("first sync after the restart was %s", st.Mode)
 			}
-			checkSetAside(t, second, badName)
+			checkSetAside(t, second, true, badName)
 			second.flows(flowS3Changed)
 			if tc.before != nil {
 				second.flows(flowBad(tc.before...)...)
@@ -366,7 +375,7 @@ func TestSetAsideNotForSharedObjects(t *testing.T) {
 	if st := h.sync(); st.Mode != modeRebuild {
 		t.Errorf("sync over a deleted element was %s, want %s", st.Mode, modeRebuild)
 	}
-	checkSetAside(t, h)
+	checkSetAside(t, h, false)
 	h.flows(flowS3Changed)
 }
 
