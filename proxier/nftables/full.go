@@ -403,7 +403,7 @@ func (f *fullSync) plan(next *tableState) *plan {
 // of what a set-aside service port keeps leaves it nothing. A refusal of
 // a shared object is the error.
 func (f *fullSync) refusedMain(ctx context.Context, err error, p *plan, ops int, next *tableState) error {
-	if ctx.Err() != nil {
+	if notARefusal(ctx, err) {
 		return err
 	}
 	// Only owners write a destination's elements.

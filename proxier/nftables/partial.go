@@ -267,7 +267,7 @@ func (b *Backend) applyPartial(l *layout, apply map[proxy.ServicePortName]*rende
 // before apply. A refusal of a shared object is an error.
 func (b *Backend) refusedPartial(ctx context.Context, err error, p *plan, ops int, apply map[proxy.ServicePortName]*renderedService,
 	l *layout, npIPs map[netip.Addr]bool) (map[proxy.ServicePortName]error, error) {
-	if ctx.Err() != nil || tableChanged(err) {
+	if notARefusal(ctx, err) {
 		return nil, err
 	}
 	s := b.state

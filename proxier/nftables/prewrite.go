@@ -217,7 +217,7 @@ func (w *preWriter) runChunk(c preChunk) error {
 // from the lines err names, else by bisection. The header's refusal is
 // the error.
 func (w *preWriter) refusedIn(drs []*destRender, tx *knftables.Transaction, err error) (map[proxy.ServicePortName]error, error) {
-	if w.ctx.Err() != nil || tableChanged(err) {
+	if notARefusal(w.ctx, err) {
 		return nil, err
 	}
 	locate := func(i int) opRef {

@@ -283,6 +283,14 @@ func (ti *touchIndex) of(r opRef) []proxy.ServicePortName {
 // by a rebuild, never by setting service ports aside.
 func tableChanged(err error) bool { return knftables.IsNotFound(err) }
 
+// notARefusal reports whether a failed run cannot be a refusal of what
+// kproxy writes: the table changed (tableChanged), or nft did not finish
+// (its deadline, or the sync's, passed: a search would only wait again).
+func notARefusal(ctx context.Context, err error) bool {
+	return ctx.Err() != nil || tableChanged(err) ||
+		errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)
+}
+
 // errSharedRefused: nft refused an object that no service port owns.
 var errSharedRefused = errors.New("nft refused an object shared by every service")
 

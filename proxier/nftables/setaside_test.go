@@ -2,6 +2,7 @@ package nftables
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"net/netip"
 	"slices"
@@ -424,5 +425,23 @@ func TestSetAsideUnrenderable(t *testing.T) {
 			t.Errorf("full=%v: the retry: set aside %v, err %v", full, res.SetAside, err)
 		}
 		h.flows(flowA, flowB)
+	}
+}
+
+// TestSetAsideNotForTimeouts: an nft run that did not finish (its deadline
+// passed) is not a refusal: nothing is set aside or searched for, the
+// sync fails.
+func TestSetAsideNotForTimeouts(t *testing.T) {
+	h := newHarness(t, nil, Options{})
+	addServices(h, 5)
+	h.sync()
+	changeS3(h)
+	h.nft.failIf = func(*knftables.Transaction) bool { return true }
+	h.nft.failErr = fmt.Errorf("running nft: %w", context.DeadlineExceeded)
+	if err := h.engine.SyncRules(context.Background()); err == nil {
+		t.Fatal("a sync whose every run timed out succeeded")
+	}
+	if h.nft.checks != 0 || len(h.backend.SetAside()) != 0 {
+		t.Errorf("%d checks, set aside %v; want none", h.nft.checks, h.backend.SetAside())
 	}
 }

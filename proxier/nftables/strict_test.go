@@ -33,8 +33,10 @@ type strictNFT struct {
 	failRuns int
 	// failAt fails the failAt-th run (1-based; 0: none), failIf a run
 	// it returns true for.
-	failAt       int
-	failIf       func(tx *knftables.Transaction) bool
+	failAt int
+	failIf func(tx *knftables.Transaction) bool
+	// failErr is the error of those failures (nil: an injected one).
+	failErr      error
 	runs         int
 	refuse       func(line string) bool
 	refuseNoLine bool
@@ -85,6 +87,9 @@ var flushLine = regexp.MustCompile(`^(flush|delete) (map|set) \S+ \S+ (\S+)`)
 func (s *strictNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
 	s.runs++
 	if s.runs == s.failAt || (s.failIf != nil && s.failIf(tx)) {
+		if s.failErr != nil {
+			return s.failErr
+		}
 		return errors.New("injected transaction failure")
 	}
 	if s.failRuns > 0 {
