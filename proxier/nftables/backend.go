@@ -97,12 +97,22 @@
 // makes the next sync a rebuild: every chain, map and set flushed and
 // rewritten in one transaction (atomically: traffic never sees an empty
 // table). Single elements deleted by someone else are not detected.
+//
+// # Set-aside service ports
+//
+// When nft refuses a transaction for some service ports' elements (the
+// line it reports leads to them; else they are bisected with "nft
+// --check"), those are set aside: the sync writes everything else and
+// succeeds, and they keep what the table has for them (setaside.go). A
+// refused shared object, or a table that lacks what the state says it
+// has, still fails (and rebuilds).
 package nftables
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -205,8 +215,17 @@ type Backend struct {
 	layout  *layout
 	// needRebuild makes the next sync a rebuild.
 	needRebuild bool
-	lastCanary  time.Time
-	last        SyncStats
+	// setAside are the service ports set aside (docs/design.md,
+	// "Set-aside service ports in nftables mode"), with the error that
+	// set each aside: the table has what it had for them, which state
+	// records.
+	setAside map[proxy.ServicePortName]error
+	// refused are those the last sync refused (or could not render):
+	// every set-aside one after a full sync, the changed ones after a
+	// partial one.
+	refused    map[proxy.ServicePortName]error
+	lastCanary time.Time
+	last       SyncStats
 }
 
 var _ proxier.Backend = (*Backend)(nil)
@@ -245,6 +264,7 @@ func New(opts Options) (*Backend, error) {
 		fam:      newFamily(opts.Family == v1.IPv6Protocol),
 		masqMark: fmt.Sprintf("%#x", uint32(1)<<bit),
 		clock:    opts.Clock,
+		setAside: map[proxy.ServicePortName]error{},
 	}, nil
 }
 
@@ -283,6 +303,22 @@ func NewInterfaceWith(opts InterfaceOptions) (knftables.Interface, error) {
 		return nil, err
 	}
 	return nft, nil
+}
+
+// SetAside returns the service ports set aside after the last sync, with
+// the error that set each aside (nil when there are none): those whose
+// elements nft refused or that could not be rendered, in that sync or in
+// an earlier one that did not retry them since (docs/design.md,
+// "Set-aside service ports in nftables mode").
+func (b *Backend) SetAside() map[proxy.ServicePortName]error {
+	return refusedCopy(b.setAside)
+}
+
+func refusedCopy(m map[proxy.ServicePortName]error) map[proxy.ServicePortName]error {
+	if len(m) == 0 {
+		return nil
+	}
+	return maps.Clone(m)
 }
 
 // LastSync returns the statistics of the last successful sync.
@@ -343,13 +379,15 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 	b.last = st
 	logger.V(2).Info("Synced nftables", "family", b.opts.Family, "mode", mode, "servicePorts", len(b.state.services),
 		"operations", st.Operations, "elementsAdded", st.ElementsAdded, "elementsDeleted", st.ElementsDeleted,
-		"chainsWritten", st.ChainsWritten, "chainsDeleted", st.ChainsDeleted, "kernelTime", st.KernelTime, "readTime", st.ReadTime)
+		"chainsWritten", st.ChainsWritten, "chainsDeleted", st.ChainsDeleted, "kernelTime", st.KernelTime, "readTime", st.ReadTime,
+		"setAside", len(b.setAside))
 	return proxy.BackendResult{
 		RuleCounts:    map[string]int{"nat": st.NATRules, "filter": st.FilterRules},
 		RulesWritten:  map[string]int{"nat": st.RulesWritten["nat"], "filter": st.RulesWritten["filter"]},
 		ChainsWritten: st.ChainsWritten, ChainsDeleted: st.ChainsDeleted,
 		KernelWrites: st.Transactions, KernelTime: st.KernelTime,
-		Full: st.Full && !full,
+		Full:     st.Full && !full,
+		SetAside: refusedCopy(b.refused),
 	}, nil
 }
 
@@ -511,98 +549,6 @@ func diffElems(old, new []elem, del, add *[]elem) {
 	}
 }
 
-func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string, st *SyncStats) error {
-	l := b.layoutFor(state)
-	npIPs, err := b.nodePortIPs()
-	if err != nil {
-		return err
-	}
-	var p *plan
-	var next *tableState
-	var pw *preWriter
-	if mode == modePartial {
-		p, err = b.planPartial(l, state, npIPs)
-		next = b.state
-	} else {
-		var names *kernelState
-		if mode == modeReconcile && b.state == nil {
-			// The first sync since kproxy started: a table that is not
-			// there yet gets its endpoint slots as the services render
-			// (preWriter.offer), while nft writes them.
-			if names, err = b.readNames(ctx); err != nil {
-				names = nil
-			} else if !names.exists {
-				pw = newPreWriter(ctx, b, freshHeader(l))
-			}
-		}
-		// A full sync renders everything again: the old state goes
-		// first, so that the two are never held together (a failed
-		// sync drops it anyway), but for its endpoint slots, which the
-		// new renders keep.
-		prev := b.state.slotsOnly()
-		b.state = nil
-		next, p, err = b.planFull(ctx, fullInput{l: l, state: state, npIPs: npIPs, mode: mode, prev: prev, names: names, pre: pw}, st)
-	}
-	if pw != nil {
-		defer pw.stop()
-	}
-	if err != nil {
-		return err
-	}
-	isMap := map[string]bool{}
-	for _, s := range l.sets() {
-		isMap[s.name] = s.isMap
-	}
-	// Endpoint slots of destinations the table does not dispatch to yet
-	// go first, in transactions of their own (preWriter): nothing leads to
-	// them until the main transaction adds their dispatch elements, so
-	// traffic still sees one change, and no transaction (nor its text)
-	// holds them all.
-	if len(p.preEndpoints) > 0 {
-		if pw == nil {
-			var header []knftables.Object
-			if p.addTable {
-				header = append(header, &knftables.Table{Comment: knftables.PtrTo("rules for kproxy")})
-			}
-			for _, sd := range p.addSets {
-				if sd.big {
-					header = append(header, sd.object())
-				}
-			}
-			pw = newPreWriter(ctx, b, header)
-			defer pw.stop()
-		}
-		for _, dr := range p.preEndpoints {
-			if err := pw.add(dr); err != nil {
-				return fmt.Errorf("nftables %s sync: %w", st.Mode, err)
-			}
-		}
-		p.preEndpoints = nil
-	}
-	// The main transaction is built while nft writes the last slots.
-	tx := p.transaction(b.nft, isMap, st)
-	if pw != nil {
-		if err := pw.wait(st); err != nil {
-			return fmt.Errorf("nftables %s sync: %w", st.Mode, err)
-		}
-	}
-	st.Operations += tx.NumOperations()
-	if tx.NumOperations() > 0 {
-		start := b.clock.Now()
-		err := b.nft.Run(ctx, tx)
-		st.KernelTime += b.clock.Since(start)
-		st.Transactions++
-		if err != nil {
-			klog.FromContext(ctx).V(4).Info("Failed nftables transaction", "transaction", tx.String())
-			return fmt.Errorf("nftables %s sync: %w", st.Mode, err)
-		}
-	}
-	b.state, b.layout = next, l
-	nat, filter := l.staticRules()
-	st.NATRules, st.FilterRules = nat+next.rules["nat"], filter+next.rules["filter"]
-	return nil
-}
-
 func (b *Backend) endpointChunk() int {
 	if b.opts.EndpointChunk > 0 {
 		return b.opts.EndpointChunk
@@ -620,119 +566,6 @@ func freshHeader(l *layout) []knftables.Object {
 		}
 	}
 	return header
-}
-
-// planPartial updates b.state with the service ports of state.Changed and
-// plans the difference.
-func (b *Backend) planPartial(l *layout, state *proxy.NodeState, npIPs map[netip.Addr]bool) (*plan, error) {
-	s := b.state
-	// The work is proportional to the changed services: their known ports
-	// are looked up by name; the state is scanned for ports never seen
-	// only when it has more than the known ones that stay.
-	next := map[proxy.ServicePortName]*renderedService{}
-	render := func(name proxy.ServicePortName, svc *proxy.ServiceState) error {
-		rs, err := l.render(svc, s.slots)
-		if err != nil {
-			// The state is untouched: the next sync (full, after the
-			// error) renders everything again.
-			return err
-		}
-		next[name] = rs
-		return nil
-	}
-	after := len(s.services)
-	for nn := range state.Changed {
-		for _, name := range s.byName[nn] {
-			svc, ok := state.Services[name]
-			if !ok {
-				next[name] = nil
-				after--
-				continue
-			}
-			if err := render(name, svc); err != nil {
-				return nil, err
-			}
-		}
-	}
-	if after < len(state.Services) {
-		// New service ports, of changed services (one that is neither
-		// known nor changed means that the state's Changed missed it).
-		for name, svc := range state.Services {
-			if _, known := s.services[name]; known {
-				continue
-			}
-			if !state.Changed.Has(name.NamespacedName) {
-				return nil, errUnknownServices
-			}
-			if err := render(name, svc); err != nil {
-				return nil, err
-			}
-			after++
-		}
-	}
-	// Every service port the state has must be known after the update.
-	if after != len(state.Services) {
-		return nil, errUnknownServices
-	}
-	oldDigest := s.digest
-	cs := s.update(next, l)
-	p := &plan{l: l}
-	for _, c := range cs.chainsAdded {
-		p.createChains = append(p.createChains, s.chains[c])
-	}
-	dests := make([]destKey, 0, len(cs.oldOwners))
-	for k := range cs.oldOwners {
-		dests = append(dests, k)
-	}
-	slices.SortFunc(dests, destKey.compare)
-	for _, k := range dests {
-		var old, now []elem
-		if o := cs.oldOwners[k]; o != nil {
-			old = append(append(old, o.small...), o.bigElems()...)
-		}
-		if n := s.owners[k]; n != nil {
-			now = append(append(now, n.small...), n.bigElems()...)
-		}
-		diffElems(old, now, &p.deletes, &p.adds)
-	}
-	for _, a := range sortedAddrs(cs.oldHairpin) {
-		was, is := cs.oldHairpin[a] > 0, s.hairpin[a] > 0
-		switch {
-		case was && !is:
-			p.deletes = append(p.deletes, hairpinElem(a))
-		case !was && is:
-			p.adds = append(p.adds, hairpinElem(a))
-		}
-	}
-	ports := make([]int, 0, len(cs.oldHealth))
-	for port := range cs.oldHealth {
-		ports = append(ports, port)
-	}
-	slices.Sort(ports)
-	for _, port := range ports {
-		was, is := cs.oldHealth[port] > 0, s.health[port] > 0
-		switch {
-		case was && !is:
-			p.deletes = append(p.deletes, healthElem(port))
-		case !was && is:
-			p.adds = append(p.adds, healthElem(port))
-		}
-	}
-	var oldNP, newNP []elem
-	for _, a := range sortedAddrs(s.nodePortIPs) {
-		oldNP = append(oldNP, nodePortIPElem(a))
-	}
-	for _, a := range sortedAddrs(npIPs) {
-		newNP = append(newNP, nodePortIPElem(a))
-	}
-	diffElems(oldNP, newNP, &p.deletes, &p.adds)
-	s.setNodePortIPs(npIPs)
-	if s.digest != oldDigest {
-		p.deletes = append(p.deletes, l.stateCanary(oldDigest))
-		p.adds = append(p.adds, l.stateCanary(s.digest))
-	}
-	p.staleChains = cs.chainsGone
-	return p, nil
 }
 
 // errUnknownServices: a partial sync was given service ports it never saw
@@ -787,33 +620,13 @@ func (b *Backend) readKernel(ctx context.Context, l *layout, chains []*chainDef,
 	if !k.exists {
 		return k, nil
 	}
-	list := func(sd *setDef, each func(e elem) error) error {
-		kind := "set"
-		if sd.isMap {
-			kind = "map"
-		}
-		elems, err := b.nft.ListElements(ctx, kind, sd.name)
-		if err != nil {
-			return fmt.Errorf("listing %s %s: %w", kind, sd.name, err)
-		}
-		for _, ke := range elems {
-			e := elem{set: sd.name, key: ke.Key, value: ke.Value}
-			if ke.Comment != nil {
-				e.comment = *ke.Comment
-			}
-			if err := each(e); err != nil {
-				return err
-			}
-		}
-		return nil
-	}
 	sets := l.sets()
 	allSets := true
 	for _, sd := range sets {
 		allSets = allSets && k.sets[sd.name]
 	}
 	if k.sets[setSyncState] {
-		err := list(&setDef{name: setSyncState}, func(e elem) error {
+		err := b.listSet(ctx, &setDef{name: setSyncState}, func(e elem) error {
 			if strings.HasPrefix(e.comment, canaryComment) {
 				k.stateComment = e.comment
 				k.layout, k.digest = parseStateCanary(e.comment)
@@ -825,27 +638,8 @@ func (b *Backend) readKernel(ctx context.Context, l *layout, chains []*chainDef,
 		}
 	}
 	k.trusted = allSets && k.layout == l.hash() && k.digest == fmt.Sprintf("%016x", want.digest)
-	for _, sd := range sets {
-		if k.trusted || sd.dynamic || sd.big || sd.name == setSyncState || !k.sets[sd.name] {
-			continue
-		}
-		err := list(sd, func(e elem) error {
-			if strings.HasPrefix(e.comment, canaryComment) {
-				return nil
-			}
-			k.small[e.id()] = e
-			if sd.name != mapServiceIPs && sd.name != mapServiceNodePorts {
-				return nil
-			}
-			dk, ok := parseDispatchKey(sd.name == mapServiceNodePorts, e.key)
-			hash, counts, perm, ok2 := parseDispatchComment(e.comment)
-			if !ok || !ok2 {
-				return fmt.Errorf("unexpected element %s (comment %q)", e.id(), e.comment)
-			}
-			k.dests[dk] = destInfo{hash: hash, counts: counts, perm: perm}
-			return nil
-		})
-		if err != nil {
+	if !k.trusted {
+		if err := b.listSmall(ctx, l, k); err != nil {
 			return nil, err
 		}
 	}
@@ -879,6 +673,59 @@ func (b *Backend) readKernel(ctx context.Context, l *layout, chains []*chainDef,
 		}
 	}
 	return k, nil
+}
+
+// listSet calls each with every element of a map or set.
+func (b *Backend) listSet(ctx context.Context, sd *setDef, each func(e elem) error) error {
+	kind := "set"
+	if sd.isMap {
+		kind = "map"
+	}
+	elems, err := b.nft.ListElements(ctx, kind, sd.name)
+	if err != nil {
+		return fmt.Errorf("listing %s %s: %w", kind, sd.name, err)
+	}
+	for _, ke := range elems {
+		e := elem{set: sd.name, key: ke.Key, value: ke.Value}
+		if ke.Comment != nil {
+			e.comment = *ke.Comment
+		}
+		if err := each(e); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// listSmall lists every map and set of the table but the endpoints maps,
+// the dynamic sets and sync-state into k.small (canaries left out) and
+// the destinations of the dispatch elements into k.dests.
+func (b *Backend) listSmall(ctx context.Context, l *layout, k *kernelState) error {
+	for _, sd := range l.sets() {
+		if sd.dynamic || sd.big || sd.name == setSyncState || !k.sets[sd.name] {
+			continue
+		}
+		err := b.listSet(ctx, sd, func(e elem) error {
+			if strings.HasPrefix(e.comment, canaryComment) {
+				return nil
+			}
+			k.small[e.id()] = e
+			if sd.name != mapServiceIPs && sd.name != mapServiceNodePorts {
+				return nil
+			}
+			dk, ok := parseDispatchKey(sd.name == mapServiceNodePorts, e.key)
+			hash, counts, perm, ok2 := parseDispatchComment(e.comment)
+			if !ok || !ok2 {
+				return fmt.Errorf("unexpected element %s (comment %q)", e.id(), e.comment)
+			}
+			k.dests[dk] = destInfo{hash: hash, counts: counts, perm: perm}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // readNames lists the table's objects. A missing table, or one without
@@ -927,186 +774,6 @@ func parseDispatchKey(nodePort bool, key []string) (destKey, bool) {
 	k.proto = key[1]
 	_, err = fmt.Sscanf(key[2], "%d", &k.port)
 	return k, err == nil
-}
-
-// planFull renders every service port and plans the transaction that makes
-// the table match: a reconcile against what readKernel finds, or a rebuild.
-// fullInput is what planFull plans from.
-type fullInput struct {
-	l     *layout
-	state *proxy.NodeState
-	npIPs map[netip.Addr]bool
-	mode  string
-	// prev are the endpoint slots of the last state.
-	prev slotsOf
-	// names, when set, is the table's listing of names (readNames), read
-	// already.
-	names *kernelState
-	// pre, when set, writes the endpoint slots of every destination as
-	// it renders: the table did not exist (names).
-	pre *preWriter
-}
-
-func (b *Backend) planFull(ctx context.Context, in fullInput, st *SyncStats) (*tableState, *plan, error) {
-	logger := klog.FromContext(ctx)
-	l, state, mode := in.l, in.state, in.mode
-	next := newTableState()
-	all := make(map[proxy.ServicePortName]*renderedService, len(state.Services))
-	for name, svc := range state.Services {
-		rs, err := l.render(svc, in.prev)
-		if err != nil {
-			return nil, nil, err
-		}
-		all[name] = rs
-		if in.pre != nil {
-			for _, dr := range rs.dests {
-				if err := in.pre.offer(dr); err != nil {
-					return nil, nil, fmt.Errorf("nftables %s sync: %w", st.Mode, err)
-				}
-			}
-		}
-	}
-	next.update(all, l)
-	next.setNodePortIPs(in.npIPs)
-
-	start := b.clock.Now()
-	var k *kernelState
-	var err error
-	chains := append(l.staticChains(), next.sortedChains()...)
-	switch {
-	case in.pre != nil:
-		// The table was not there (in.names): only what pre wrote is.
-		k = newKernelState()
-	case mode == modeReconcile:
-		k, err = b.readKernel(ctx, l, chains, next, in.names)
-		if err != nil {
-			logger.Info("Cannot reconcile kproxy's nftables table; rebuilding it", "family", b.opts.Family, "err", err)
-			mode = modeRebuild
-			st.Mode = mode
-		}
-	}
-	if mode == modeRebuild {
-		if k, err = b.readNames(ctx); err != nil {
-			logger.Info("Cannot list kproxy's nftables table; rewriting it", "family", b.opts.Family, "err", err)
-			k = newKernelState()
-		}
-	}
-	st.ReadTime += b.clock.Since(start)
-	rebuild := mode == modeRebuild
-
-	p := &plan{l: l, addTable: rebuild || !k.exists}
-	sets := l.sets()
-	wantSet := map[string]bool{}
-	for _, sd := range sets {
-		wantSet[sd.name] = true
-		if rebuild || !k.sets[sd.name] {
-			p.addSets = append(p.addSets, sd)
-		}
-		if rebuild && !sd.dynamic {
-			p.flushSets = append(p.flushSets, sd)
-		}
-	}
-	// Chains of the same layout hold what their names say (readKernel
-	// checked their rule counts).
-	sameLayout := !rebuild && k.layout == l.hash()
-	wantChain := map[string]bool{}
-	for _, c := range chains {
-		wantChain[c.name] = true
-		switch {
-		case !k.chains[c.name]:
-			p.createChains = append(p.createChains, c)
-		case !sameLayout:
-			p.rewriteChains = append(p.rewriteChains, c)
-		}
-	}
-	for c := range k.chains {
-		if !wantChain[c] {
-			p.staleChains = append(p.staleChains, c)
-		}
-	}
-	slices.Sort(p.staleChains)
-	for s := range k.sets {
-		if !wantSet[s] {
-			p.staleSets = append(p.staleSets, s)
-		}
-	}
-	slices.Sort(p.staleSets)
-
-	if k.trusted {
-		// Same layout, same digest: the elements are those wanted.
-		return next, p, nil
-	}
-	if !rebuild {
-		next.adoptSlots(k.dests)
-	}
-	if in.pre != nil && !in.pre.unstarted() {
-		// What pre wrote, or writes, is the table's.
-		k.dests = in.pre.emitted
-	}
-	// Small maps and sets: against what was listed (nothing on a rebuild,
-	// whose flushes empty them).
-	var kernelSmall []elem
-	if !rebuild {
-		for _, id := range sortedKeys(k.small) {
-			kernelSmall = append(kernelSmall, k.small[id])
-		}
-	}
-	wantSmall := next.smallElems(l)
-	if !rebuild {
-		// Canaries of maps that exist are there (readKernel checked);
-		// sync-state's records the layout and the digest.
-		wantSmall = slices.DeleteFunc(wantSmall, func(e elem) bool { return strings.HasPrefix(e.comment, canaryComment) && k.sets[e.set] })
-		if c := l.stateCanary(next.digest); k.sets[setSyncState] && k.stateComment != c.comment {
-			p.deletes = append(p.deletes, c)
-			p.adds = append(p.adds, c)
-		}
-	}
-	diffElems(kernelSmall, wantSmall, &p.deletes, &p.adds)
-
-	// Endpoints maps: by destination, trusting the dispatch comments.
-	for _, sd := range sets {
-		if sd.big && (rebuild || !k.sets[sd.name]) {
-			p.adds = append(p.adds, sd.canary)
-		}
-	}
-	for _, dk := range next.sortedDests() {
-		dr := next.owners[dk]
-		if !rebuild {
-			if ki, ok := k.dests[dk]; ok {
-				if ki.hash == dr.hash && ki.counts == dr.counts() {
-					continue
-				}
-				for _, key := range dk.endpointKeys(ki.counts) {
-					p.deletes = append(p.deletes, elem{set: dk.endpointsMap(), key: key})
-				}
-			}
-		}
-		if _, ok := k.dests[dk]; !ok && !rebuild {
-			p.preEndpoints = append(p.preEndpoints, dr)
-		} else {
-			p.addEndpoints = append(p.addEndpoints, dr)
-		}
-	}
-	// Few enough for the main transaction: one transaction.
-	pre := 0
-	for _, dr := range p.preEndpoints {
-		pre += len(dr.eps[0]) + len(dr.eps[1])
-	}
-	if pre <= b.endpointChunk() {
-		p.addEndpoints = append(p.preEndpoints, p.addEndpoints...)
-		p.preEndpoints = nil
-	}
-	if !rebuild {
-		for _, dk := range sortedDestKeys(k.dests) {
-			if _, ok := next.owners[dk]; ok {
-				continue
-			}
-			for _, key := range dk.endpointKeys(k.dests[dk].counts) {
-				p.deletes = append(p.deletes, elem{set: dk.endpointsMap(), key: key})
-			}
-		}
-	}
-	return next, p, nil
 }
 
 func sortedKeys[V any](m map[string]V) []string {

@@ -3,9 +3,13 @@ package nftables
 import (
 	"context"
 	"fmt"
+	"slices"
+	"sync"
 	"time"
 
 	"sigs.k8s.io/knftables"
+
+	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
 // preWriter writes endpoint slots ahead of a full sync's main transaction,
@@ -34,25 +38,47 @@ type preWriter struct {
 	pending []*destRender
 	n       int
 	strs    stringCache
-	// emitted are the destinations offer wrote, with the hash and counts
-	// of the slots written: the main transaction treats them as the
-	// table's (and rewrites one whose owner turned out to be another).
+	// retryStrs is the goroutine's, for the chunks it builds again.
+	retryStrs stringCache
+	// emitted are the destinations offer took, with the hash and counts
+	// of their slots: the main transaction treats them as the table's
+	// (and rewrites one whose owner turned out to be another) until wait
+	// says which were written.
 	emitted map[destKey]destInfo
-	// elements counts the elements added.
-	elements int
+	// started: a chunk was handed to the goroutine.
+	started bool
 
-	// work carries built transactions to the goroutine that runs them;
-	// done closes when it has stopped (work closed, or a failure: err).
-	work chan *knftables.Transaction
+	// work carries built chunks to the goroutine that runs them; done
+	// closes when it has stopped (work closed, or a failure: err).
+	work chan preChunk
 	done chan struct{}
 	// Written by the goroutine, read after done.
-	err             error
-	operations, ran int
-	kernelTime      time.Duration
+	err                       error
+	operations, ran, elements int
+	kernelTime                time.Duration
+
+	// mu guards written and refused, which the goroutine fills while
+	// add reads refused.
+	mu sync.Mutex
+	// written are the destinations whose slots a transaction wrote, with
+	// their hash and counts: the table's now.
+	written map[destKey]destInfo
+	// refused are the service ports whose slots nft refused, and why: no
+	// chunk writes their destinations after that (set-aside service
+	// ports, docs/design.md "Set-aside service ports in nftables mode").
+	refused map[proxy.ServicePortName]error
+}
+
+// preChunk is one transaction of endpoint slots and the destinations it
+// writes, in order.
+type preChunk struct {
+	drs []*destRender
+	tx  *knftables.Transaction
 }
 
 func newPreWriter(ctx context.Context, b *Backend, header []knftables.Object) *preWriter {
-	return &preWriter{b: b, ctx: ctx, chunk: b.endpointChunk(), header: header, emitted: map[destKey]destInfo{}}
+	return &preWriter{b: b, ctx: ctx, chunk: b.endpointChunk(), header: header, emitted: map[destKey]destInfo{},
+		written: map[destKey]destInfo{}, refused: map[proxy.ServicePortName]error{}}
 }
 
 // offer writes dr's slots unless a destination of the same key was
@@ -66,10 +92,11 @@ func (w *preWriter) offer(dr *destRender) error {
 	return w.add(dr)
 }
 
-// add writes dr's slots. They wait until a chunk's worth has come.
+// add writes dr's slots, unless nft refused its service port's already.
+// They wait until a chunk's worth has come.
 func (w *preWriter) add(dr *destRender) error {
 	n := len(dr.eps[0]) + len(dr.eps[1])
-	if n == 0 {
+	if n == 0 || w.isRefused(dr.owner) {
 		return nil
 	}
 	w.pending = append(w.pending, dr)
@@ -80,11 +107,18 @@ func (w *preWriter) add(dr *destRender) error {
 	return nil
 }
 
+func (w *preWriter) isRefused(name proxy.ServicePortName) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	_, ok := w.refused[name]
+	return ok
+}
+
 // unstarted gives back what offer and add were given when not one chunk
 // came of it (nothing was written): a small table's slots go in its main
 // transaction, which needs no other.
 func (w *preWriter) unstarted() bool {
-	if w.work != nil {
+	if w.started {
 		return false
 	}
 	w.pending, w.n = nil, 0
@@ -92,55 +126,137 @@ func (w *preWriter) unstarted() bool {
 	return true
 }
 
-// flush hands a transaction of the pending slots to the goroutine that
-// runs them, starting it the first time; it waits while that goroutine
-// still runs the previous one.
-func (w *preWriter) flush() error {
-	if len(w.pending) == 0 {
-		return nil
-	}
+// build is the transaction of the slots of drs, its strings shared
+// through strs (the goroutine has its own).
+func (w *preWriter) build(drs []*destRender, strs *stringCache) *knftables.Transaction {
 	tx := w.b.nft.NewTransaction()
 	for _, o := range w.header {
 		tx.Add(o)
 	}
-	for _, dr := range w.pending {
-		objs := dr.endpointObjects(&w.strs)
+	for _, dr := range drs {
+		objs := dr.endpointObjects(strs)
 		for i := range objs {
 			tx.Add(&objs[i])
 		}
 	}
-	w.elements += w.n
+	return tx
+}
+
+// flush hands a transaction of the pending slots to the goroutine that
+// runs them, starting it if it is not running; it waits while that
+// goroutine still runs the previous one.
+func (w *preWriter) flush() error {
+	if len(w.pending) == 0 {
+		return nil
+	}
+	c := preChunk{drs: w.pending, tx: w.build(w.pending, &w.strs)}
 	w.pending, w.n = nil, 0
 	if w.work == nil {
-		w.work = make(chan *knftables.Transaction)
+		w.work = make(chan preChunk)
 		w.done = make(chan struct{})
-		go w.run()
+		w.err = nil
+		w.started = true
+		go w.run(w.work, w.done)
 	}
 	select {
-	case w.work <- tx:
+	case w.work <- c:
 		return nil
 	case <-w.done:
 		return w.err
 	}
 }
 
-func (w *preWriter) run() {
-	defer close(w.done)
-	for tx := range w.work {
-		w.operations += tx.NumOperations()
-		start := w.b.clock.Now()
-		err := w.b.nft.Run(w.ctx, tx)
-		w.kernelTime += w.b.clock.Since(start)
-		w.ran++
-		if err != nil {
+func (w *preWriter) run(work <-chan preChunk, done chan<- struct{}) {
+	defer close(done)
+	for c := range work {
+		if err := w.runChunk(c); err != nil {
 			w.err = fmt.Errorf("endpoint slots: %w", err)
 			return
 		}
 	}
 }
 
+// runChunk runs one chunk. When nft refuses it for some destinations'
+// slots, their service ports are refused and the chunk runs again
+// without them.
+func (w *preWriter) runChunk(c preChunk) error {
+	drs, tx := c.drs, c.tx
+	for {
+		w.operations += tx.NumOperations()
+		start := w.b.clock.Now()
+		err := w.b.nft.Run(w.ctx, tx)
+		w.kernelTime += w.b.clock.Since(start)
+		w.ran++
+		if err == nil {
+			w.mu.Lock()
+			for _, dr := range drs {
+				w.written[dr.key] = destInfo{hash: dr.hash, counts: dr.counts()}
+				w.elements += len(dr.eps[0]) + len(dr.eps[1])
+			}
+			w.mu.Unlock()
+			return nil
+		}
+		bad, ferr := w.refusedIn(drs, tx, err)
+		if ferr != nil {
+			return ferr
+		}
+		w.mu.Lock()
+		for name, e := range bad {
+			w.refused[name] = e
+		}
+		w.mu.Unlock()
+		drs = slices.DeleteFunc(slices.Clone(drs), func(dr *destRender) bool { _, out := bad[dr.owner]; return out })
+		if len(drs) == 0 {
+			return nil
+		}
+		tx = w.build(drs, &w.retryStrs)
+	}
+}
+
+// refusedIn finds the service ports whose slots in drs nft refused (err):
+// from the lines err names, else by bisection. The header's refusal is
+// the error.
+func (w *preWriter) refusedIn(drs []*destRender, tx *knftables.Transaction, err error) (map[proxy.ServicePortName]error, error) {
+	if notARefusal(w.ctx, err) {
+		return nil, err
+	}
+	locate := func(i int) opRef {
+		if i < len(w.header) {
+			return opRef{kind: refShared}
+		}
+		i -= len(w.header)
+		for _, dr := range drs {
+			if n := len(dr.eps[0]) + len(dr.eps[1]); i < n {
+				return opRef{kind: refDest, dest: dr.key}
+			} else {
+				i -= n
+			}
+		}
+		return opRef{kind: refShared}
+	}
+	ti := newTouchIndex()
+	var units []proxy.ServicePortName
+	for _, dr := range drs {
+		ti.dests[dr.key] = addName(ti.dests[dr.key], dr.owner)
+		units = addName(units, dr.owner)
+	}
+	all := func(proxy.ServicePortName) bool { return true }
+	refused, shared, ok := hintedRefusals(err, tx.NumOperations(), locate, ti, all)
+	if shared {
+		return nil, err
+	}
+	if ok {
+		return refused, nil
+	}
+	slices.SortFunc(units, proxy.ServicePortName.Compare)
+	return bisectRefused(w.ctx, w.b.nft, units, err, func(accepted []proxy.ServicePortName) *knftables.Transaction {
+		return w.build(slices.DeleteFunc(slices.Clone(drs), func(dr *destRender) bool { return !slices.Contains(accepted, dr.owner) }), &w.retryStrs)
+	})
+}
+
 // wait writes what is left and waits for every transaction to have run;
-// it returns the first failure. It adds what was written to st.
+// it returns the first failure that is not a refusal of some service
+// ports' slots (those are in refused). It adds what was written to st.
 func (w *preWriter) wait(st *SyncStats) error {
 	err := w.flush()
 	if w.work != nil {

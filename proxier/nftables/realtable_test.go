@@ -185,8 +185,14 @@ type realTable struct {
 
 func newRealTable(t *testing.T) *realTable {
 	t.Helper()
+	return newRealTableOf(t, realTableCase())
+}
+
+// newRealTableOf is newRealTable for case c.
+func newRealTableOf(t *testing.T, c pt.Case) *realTable {
+	t.Helper()
 	netnstest.RequireRoot(t)
-	rt := &realTable{c: realTableCase(), clk: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))}
+	rt := &realTable{c: c, clk: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))}
 	rt.env = rt.c.Env()
 	rk := realNFTKernel(rt.clk)
 	rk.NewBackend = func(t *testing.T, node pt.RealNode) (proxier.Backend, pt.Tracer) {
@@ -336,39 +342,121 @@ func TestRealKernelRestart(t *testing.T) {
 	rt.rc.CheckKernelFlows(t, flows)
 }
 
+// realLBCase is realTableCase plus a load balancer whose source ranges
+// admit 192.0.2.0/24 only.
+func realLBCase() pt.Case {
+	c := realTableCase()
+	c.Name = "web and lb"
+	c.Services = append(c.Services, pt.Service("lb", "10.96.0.20", pt.LoadBalancer(rtLBIP), pt.SourceRanges("192.0.2.0/24")))
+	c.Slices = append(c.Slices, pt.Slice("lb", 8080, pt.EP{IP: "10.244.2.6", Node: "node-b"}))
+	c.Flows = append(c.Flows,
+		pt.Flow{Name: "allowed to lb", Source: "192.0.2.10", Dest: rtLBIP, Port: 80, Want: pt.Delivered,
+			WantEndpoints: []string{"10.244.2.6:8080"}, WantMasquerade: true},
+		pt.Flow{Name: "denied to lb", Source: "198.51.100.1", Dest: rtLBIP, Port: 80, Want: pt.Dropped})
+	return c
+}
+
+const rtLBIP = "203.0.113.22"
+
 // TestRealKernelRepair breaks kproxy's table from outside; traffic stops
-// being handled, the next sync (the canary check) repairs it, and traffic
-// works again. A connection opened before the damage is answered again
-// after the repair, by its endpoint.
+// being handled (or is handled wrongly), the next sync (the canary check)
+// repairs it, and traffic works again. A connection opened before the
+// damage is answered again after the repair, by its endpoint.
 func TestRealKernelRepair(t *testing.T) {
+	// chainOf names the first chain of the table whose name starts with
+	// prefix.
+	chainOf := func(t *testing.T, rt *realTable, prefix string) string {
+		t.Helper()
+		for _, f := range strings.Fields(rt.nft(t, "list", "chains", "ip")) {
+			if strings.HasPrefix(f, prefix) {
+				return f
+			}
+		}
+		t.Fatalf("no chain %s* in:\n%s", prefix, rt.nft(t, "list", "chains", "ip"))
+		return ""
+	}
+	fromHost := func(f pt.Flow) bool { return f.Origin == pt.FromHost }
+	toClusterIP := func(f pt.Flow) bool { return f.Dest == rtClusterIP }
 	for _, tc := range []struct {
-		name, cmd string
+		name string
+		// cmd is the damage, given the table (to name its chains).
+		cmd func(t *testing.T, rt *realTable) string
+		// lb: the case has the load balancer (realLBCase).
+		lb bool
 		// broken selects the flows the damage leaves unhandled; nil: all.
 		broken func(pt.Flow) bool
+		// during, when set, is what each flow does while broken instead.
+		during func(pt.Flow) pt.Flow
 	}{
-		{name: "flush table", cmd: "flush table ip kproxy"},
-		{name: "delete table", cmd: "delete table ip kproxy"},
-		{name: "flush the service-ips map", cmd: "flush map ip kproxy " + mapServiceIPs,
-			broken: func(f pt.Flow) bool { return f.Dest == rtClusterIP }},
+		{name: "flush table", cmd: fixed("flush table ip kproxy")},
+		{name: "delete table", cmd: fixed("delete table ip kproxy")},
+		{name: "flush the service-ips map", cmd: fixed("flush map ip kproxy " + mapServiceIPs), broken: toClusterIP},
+		{name: "flush a base chain", cmd: fixed("flush chain ip kproxy " + chainNATPrerouting),
+			broken: func(f pt.Flow) bool { return !fromHost(f) }},
+		{name: "delete a base chain", cmd: fixed("flush chain ip kproxy " + chainNATOutput + "; delete chain ip kproxy " + chainNATOutput),
+			broken: fromHost},
+		{name: "flush the dispatch chain", cmd: fixed("flush chain ip kproxy " + chainServices)},
+		{name: "flush a shape chain", cmd: func(t *testing.T, rt *realTable) string {
+			return "flush chain ip kproxy " + chainOf(t, rt, shapeChainPrefix+"ip-")
+		}, broken: toClusterIP},
+		{name: "flush a pick chain", cmd: func(t *testing.T, rt *realTable) string {
+			return "flush chain ip kproxy " + chainOf(t, rt, pickChainPrefix+"ip-")
+		}, broken: toClusterIP},
+		{name: "flush the endpoints map", cmd: fixed("flush map ip kproxy " + endpointsMap("tcp")), broken: toClusterIP},
+		{name: "flush the node port endpoints map", cmd: fixed("flush map ip kproxy " + nodePortEndpointsMap("tcp")),
+			broken: func(f pt.Flow) bool { return f.Port == rtNodePort }},
+		{name: "flush the sync-state set", cmd: fixed("flush set ip kproxy " + setSyncState),
+			broken: func(pt.Flow) bool { return false }},
+		{name: "flush the source ranges", cmd: fixed("flush set ip kproxy " + setFirewallAllow), lb: true,
+			during: func(f pt.Flow) pt.Flow {
+				if f.Dest == rtLBIP {
+					f.Want, f.WantEndpoints, f.WantMasquerade = pt.Dropped, nil, false
+				}
+				return f
+			}},
+		{name: "flush the load balancers with source ranges", cmd: fixed("flush set ip kproxy " + setFirewallIPs), lb: true,
+			during: func(f pt.Flow) pt.Flow {
+				if f.Name == "denied to lb" {
+					f.Want, f.WantEndpoints, f.WantMasquerade = pt.Delivered, []string{"10.244.2.6:8080"}, true
+				}
+				return f
+			}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			rt := newRealTable(t)
+			c := realTableCase()
+			if tc.lb {
+				c = realLBCase()
+			}
+			rt := newRealTableOf(t, c)
 			conn, err := rt.rc.Dial(t.Context(), rt.flow(t, "pod"))
 			if err != nil {
 				t.Fatal(err)
 			}
-			rt.nft(t, tc.cmd)
-			rt.rc.CheckKernelFlows(t, unhandled(rt.c.Flows, tc.broken))
+			cmd := tc.cmd(t, rt)
+			rt.nft(t, cmd)
+			broken := unhandled(rt.c.Flows, tc.broken)
+			if tc.during != nil {
+				broken = nil
+				for _, f := range rt.c.Flows {
+					broken = append(broken, tc.during(f))
+				}
+			}
+			rt.rc.CheckKernelFlows(t, broken)
 
 			rt.clk.Step(DefaultCanaryInterval)
 			rt.sync(t, rt.engine)
 			if st := rt.backend.LastSync(); st.Mode != modeRebuild {
-				t.Errorf("sync after %q: mode %s, want %s", tc.cmd, st.Mode, modeRebuild)
+				t.Errorf("sync after %q: mode %s, want %s", cmd, st.Mode, modeRebuild)
 			}
 			rt.rc.CheckKernelFlows(t, rt.c.Flows)
-			checkConn(t, conn, fmt.Sprintf("%q and the repair", tc.cmd))
+			checkConn(t, conn, fmt.Sprintf("%q and the repair", cmd))
 		})
 	}
+}
+
+// fixed is a damage command that does not depend on the table.
+func fixed(cmd string) func(*testing.T, *realTable) string {
+	return func(*testing.T, *realTable) string { return cmd }
 }
 
 // TestRealKernelCleanupKeepsForeignTables runs Cleanup twice: kproxy's

@@ -22,6 +22,12 @@ import (
 //     deleted chain, set or map (EBUSY).
 //
 // failRuns fails the next runs, as a kernel refusing a transaction would.
+//
+// refuse makes it refuse, in Run and Check alike, any transaction with a
+// line it returns true for, as a kernel refuses an element it cannot take
+// (a value an old API server let through, a missing kernel module): the
+// error names the line as execNFT does ("(transaction line N)"), unless
+// refuseNoLine, when it names nothing.
 type strictNFT struct {
 	*knftables.Fake
 	failRuns int
@@ -29,7 +35,49 @@ type strictNFT struct {
 	// it returns true for.
 	failAt int
 	failIf func(tx *knftables.Transaction) bool
-	runs   int
+	// failErr is the error of those failures (nil: an injected one).
+	failErr      error
+	runs         int
+	refuse       func(line string) bool
+	refuseNoLine bool
+	// refusals counts the transactions refused, checks the Check calls.
+	refusals, checks int
+}
+
+// refusal is the error of a transaction refuse refuses, or nil.
+func (s *strictNFT) refusal(tx *knftables.Transaction) error {
+	if s.refuse == nil {
+		return nil
+	}
+	var msgs []string
+	for i, line := range strings.Split(tx.String(), "\n") {
+		if line == "" || !s.refuse(line) {
+			continue
+		}
+		if s.refuseNoLine {
+			return errors.New("Error: Could not process rule: Operation not supported")
+		}
+		n := i + 1
+		msgs = append(msgs, fmt.Sprintf("/dev/stdin:%d:1-%d (transaction line %d): Error: Could not process rule: Operation not supported\n%s", n, len(line), n, line))
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	s.refusals++
+	return errors.New(strings.Join(msgs, "\n"))
+}
+
+// Check is part of knftables.Interface: the refusals and element checks
+// of Run, without running it.
+func (s *strictNFT) Check(ctx context.Context, tx *knftables.Transaction) error {
+	s.checks++
+	if err := s.refusal(tx); err != nil {
+		return err
+	}
+	if err := s.checkElements(tx); err != nil {
+		return err
+	}
+	return s.Fake.Check(ctx, tx)
 }
 
 var elemLine = regexp.MustCompile(`^(add|delete) element \S+ \S+ (\S+) \{ (.*) \}$`)
@@ -39,11 +87,17 @@ var flushLine = regexp.MustCompile(`^(flush|delete) (map|set) \S+ \S+ (\S+)`)
 func (s *strictNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
 	s.runs++
 	if s.runs == s.failAt || (s.failIf != nil && s.failIf(tx)) {
+		if s.failErr != nil {
+			return s.failErr
+		}
 		return errors.New("injected transaction failure")
 	}
 	if s.failRuns > 0 {
 		s.failRuns--
 		return errors.New("injected transaction failure")
+	}
+	if err := s.refusal(tx); err != nil {
+		return err
 	}
 	if err := s.checkElements(tx); err != nil {
 		return err
