@@ -43,7 +43,7 @@
 //
 // The fault suite (TestFaults, faults_test.go) hits one node (node-1) with
 // the faults of issue 10 while steady traffic flows through it: about 50
-// requests/s, each with a 1 s deadline and sent whether or not the last one
+// requests/s, each with a 2 s deadline and sent whether or not the last one
 // answered, to a TCP ClusterIP and a UDP ClusterIP from a pod on node-1 and
 // to a NodePort of node-1 from the external client; every failed request
 // counts. The backends run on node-2. Before the scenarios it creates 200
@@ -58,8 +58,10 @@
 // and message format, naming the line). Scenarios, each summed up in one
 // line "FAULT <mode> <scenario>: failed=F sent=S reprogrammed=T health=H
 // target=... pass|FAIL":
-//   - kill9-mid-full-sync: kproxy restarted, then killed with SIGKILL as
-//     the second iptables-restore (nft run) of its first full sync starts;
+//   - kill9-mid-full-sync: kproxy restarted (in nftables mode with a
+//     canary element deleted first: a kproxy adopts an intact table and
+//     writes nothing), then killed with SIGKILL as the second
+//     iptables-restore (nft -f) of its first full sync starts;
 //     a probe Service is created and kproxy started again. Then a kproxy
 //     of reference (cluster.ScratchKproxy: the node's flags and Node, in a
 //     namespace of its own) syncs the same objects from nothing, and the
@@ -89,8 +91,7 @@
 // time from the end of the fault (the kill, the change made after the API
 // server returned, the flush, the lock's release, the endpoint change, the
 // end of the hang) until kproxy logged an IPv4 sync after it and the
-// probe answers (flush: until the node's rules equal those before the
-// flush; poisoned-service: until the moved Service answers from its new
+// probe answers (flush: until every rule of before the flush is back; poisoned-service: until the moved Service answers from its new
 // endpoint only). Health is what node-1's /healthz answered, polled every
 // 250 ms, as its changes: "200,503@21.3s,200@40.1s". Every scenario
 // puts back what it changed (kproxy's flags, PATH and backend, the control

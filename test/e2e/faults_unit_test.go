@@ -208,3 +208,26 @@ func TestFaultResultLine(t *testing.T) {
 		t.Errorf("line = %q, want reprogrammed=never and FAIL", got)
 	}
 }
+
+func TestMissingLines(t *testing.T) {
+	runsOnce(t)
+	canary := `  element 0 comment "kproxy canary layout=0e digest=aa"`
+	cases := []struct {
+		name        string
+		before, now []string
+		want        []string
+	}{
+		{"all back", []string{"a", "b"}, []string{"b", "a"}, nil},
+		{"extra lines do not count", []string{"a"}, []string{"a", "c"}, nil},
+		{"one missing", []string{"a", "b"}, []string{"a"}, []string{"b"}},
+		{"a duplicate missing", []string{"a", "a"}, []string{"a"}, []string{"a"}},
+		{"the canary's digest may change", []string{"a", canary}, []string{"a", `  element 0 comment "kproxy canary layout=0e digest=bb"`}, nil},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := missingLines(tc.before, tc.now); !slices.Equal(got, tc.want) {
+				t.Errorf("missingLines = %q, want %q", got, tc.want)
+			}
+		})
+	}
+}
