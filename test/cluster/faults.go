@@ -163,8 +163,6 @@ const (
 	ScratchIP     = "10.254.0.201"
 	scratchPort   = "scratch"
 	scratchPrefix = "/24"
-	// scratchNodeIPDev holds the node's address in ScratchNetNS.
-	scratchNodeIPDev = "nodeip0"
 )
 
 // ScratchKproxy is a kproxy that acts as one node (same flags, same Node
@@ -196,13 +194,11 @@ func (c *Cluster) StartScratchKproxy(ctx context.Context, node string, extraArgs
 		{"ip", "-n", SwitchNetNS, "link", "set", scratchPort, "up"},
 		{"ip", "-n", ScratchNetNS, "addr", "add", ScratchIP + scratchPrefix, "dev", "eth0"},
 		// The node's address, local as on the node (kproxy's NodePort
-		// addresses come from the local ones), on a device of its own:
-		// eth0 answers ARP only for its own address, so the node's
-		// traffic never comes here.
+		// addresses come from the local ones), on the loopback device
+		// (kernels may lack the dummy device): eth0 answers ARP only for
+		// its own address, so the node's traffic never comes here.
 		{"ip", "netns", "exec", ScratchNetNS, "sysctl", "-q", "-w", "net.ipv4.conf.all.arp_ignore=1", "net.ipv4.conf.all.arp_announce=2"},
-		{"ip", "-n", ScratchNetNS, "link", "add", scratchNodeIPDev, "type", "dummy"},
-		{"ip", "-n", ScratchNetNS, "addr", "add", NodeIP(i) + "/32", "dev", scratchNodeIPDev},
-		{"ip", "-n", ScratchNetNS, "link", "set", scratchNodeIPDev, "up"},
+		{"ip", "-n", ScratchNetNS, "addr", "add", NodeIP(i) + "/32", "dev", "lo"},
 		{"ip", "-n", ScratchNetNS, "link", "set", "eth0", "up"},
 	}
 	for _, argv := range plan {
