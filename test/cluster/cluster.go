@@ -94,6 +94,9 @@ type state struct {
 	// NodeKproxyArgs are the extra flags of StartKproxy per node, kept
 	// for RestartKproxy.
 	NodeKproxyArgs map[string][]string `json:"nodeKproxyArgs,omitempty"`
+	// NodeKproxyEnv is the extra environment of StartKproxyWith per
+	// node, kept for RestartKproxy.
+	NodeKproxyEnv map[string][]string `json:"nodeKproxyEnv,omitempty"`
 }
 
 // Cluster is a running local cluster.
@@ -439,7 +442,7 @@ func (c *Cluster) agentLaunch(i int) launch {
 	}
 }
 
-func (c *Cluster) kproxyLaunch(i int, extra []string) launch {
+func (c *Cluster) kproxyLaunch(i int, extra []string, env ...string) launch {
 	name := progKproxy + "/" + NodeName(i)
 	c.mu.Lock()
 	args := kproxyArgs(c.l, i, c.st.Mode, append(slices.Clone(c.st.KproxyArgs), extra...))
@@ -448,6 +451,7 @@ func (c *Cluster) kproxyLaunch(i int, extra []string) launch {
 		Name: name, NetNS: NodeNetNS(i),
 		Argv: append([]string{c.bin(progKproxy)}, args...),
 		Log:  c.l.logFile(name),
+		Env:  slices.Clone(env),
 	}
 }
 
@@ -801,6 +805,23 @@ func (c *Cluster) StopKproxy(ctx context.Context, node string) error {
 // flags (later flags win); RestartKproxy reuses them. It fails when kproxy
 // already runs there.
 func (c *Cluster) StartKproxy(ctx context.Context, node string, extraArgs ...string) error {
+	return c.StartKproxyWith(ctx, node, KproxyStart{Args: extraArgs})
+}
+
+// KproxyStart is how StartKproxyWith starts kproxy beyond the cluster's
+// flags.
+type KproxyStart struct {
+	// Args come after the cluster's flags (later flags win).
+	Args []string
+	// Env is added to kproxy's environment ("NAME=value"; PATH, for
+	// instance, to put tools of a test's own before the node's).
+	Env []string
+}
+
+// StartKproxyWith starts kproxy on node with opts; RestartKproxy reuses
+// them. It fails when kproxy already runs there.
+func (c *Cluster) StartKproxyWith(ctx context.Context, node string, opts KproxyStart) error {
+	extraArgs := opts.Args
 	i, err := c.node(node)
 	if err != nil {
 		return err
@@ -819,24 +840,28 @@ func (c *Cluster) StartKproxy(ctx context.Context, node string, extraArgs ...str
 	}
 	c.procs = slices.DeleteFunc(c.procs, func(p process) bool { return p.Name == name })
 	c.st.NodeKproxyArgs[node] = slices.Clone(extraArgs)
+	if c.st.NodeKproxyEnv == nil {
+		c.st.NodeKproxyEnv = map[string][]string{}
+	}
+	c.st.NodeKproxyEnv[node] = slices.Clone(opts.Env)
 	err = c.saveStateLocked()
 	c.mu.Unlock()
 	if err != nil {
 		return err
 	}
-	return c.startAll(ctx, c.kproxyLaunch(i, extraArgs))
+	return c.startAll(ctx, c.kproxyLaunch(i, extraArgs, opts.Env...))
 }
 
-// RestartKproxy stops kproxy on node and starts it again with the flags it
-// last started with.
+// RestartKproxy stops kproxy on node and starts it again with the flags
+// and environment it last started with.
 func (c *Cluster) RestartKproxy(ctx context.Context, node string) error {
 	if err := c.StopKproxy(ctx, node); err != nil {
 		return err
 	}
 	c.mu.Lock()
-	extra := slices.Clone(c.st.NodeKproxyArgs[node])
+	opts := KproxyStart{Args: slices.Clone(c.st.NodeKproxyArgs[node]), Env: slices.Clone(c.st.NodeKproxyEnv[node])}
 	c.mu.Unlock()
-	return c.StartKproxy(ctx, node, extra...)
+	return c.StartKproxyWith(ctx, node, opts)
 }
 
 // Down stops the cluster and removes everything it made; see Down.

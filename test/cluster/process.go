@@ -113,6 +113,8 @@ type launch struct {
 	NetOnly bool
 	Argv    []string
 	Log     string
+	// Env is added to the caller's environment (later entries win).
+	Env []string
 }
 
 // command returns the argv that runs l.Argv inside l.NetNS. Both forms
@@ -139,6 +141,10 @@ func start(ctx context.Context, l launch) (process, error) {
 	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Stdout = logf
 	cmd.Stderr = logf
+	if len(l.Env) > 0 {
+		cmd.Env = append(os.Environ(), l.Env...)
+		fmt.Fprintf(logf, "=== kpc: %s environment adds: %s\n", l.Name, strings.Join(l.Env, " "))
+	}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
 		return process{}, fmt.Errorf("starting %s: %w", l.Name, err)

@@ -41,6 +41,63 @@
 // (why) or FAILED (why, and the failed tests). Select tests and modes as
 // usual: -run 'TestClusterIP/mode=nftables' with KPROXY_E2E_MODES=nftables.
 //
+// The fault suite (TestFaults, faults_test.go) hits one node (node-1) with
+// the faults of issue 10 while steady traffic flows through it: about 50
+// requests/s, each with a 2 s deadline and sent whether or not the last one
+// answered, to a TCP ClusterIP and a UDP ClusterIP from a pod on node-1 and
+// to a NodePort of node-1 from the external client; every failed request
+// counts. The backends run on node-2. Before the scenarios it creates 200
+// selectorless Services of 10 ports each (2,000 service ports) with their
+// EndpointSlices, and restarts node-1's kproxy with
+// --iptables-sync-period=10s (both modes read it), a kernel-call deadline of
+// 5s when kproxy --help names a flag for one, and testdata/shims/faultshim
+// first on its PATH as iptables-restore, ip6tables-restore and nft: the
+// shim runs the real tool with the same input, logs each restore, and on
+// the scenarios' demand hangs (while a file exists) or refuses an input
+// naming a marker the way the real tool refuses a line (same exit status
+// and message format, naming the line). Scenarios, each summed up in one
+// line "FAULT <mode> <scenario>: failed=F sent=S reprogrammed=T health=H
+// target=... pass|FAIL":
+//   - kill9-mid-full-sync: kproxy restarted (in nftables mode with a
+//     canary element deleted first: a kproxy adopts an intact table and
+//     writes nothing), then killed with SIGKILL as the second
+//     iptables-restore (nft -f) of its first full sync starts;
+//     a probe Service is created and kproxy started again. Then a kproxy
+//     of reference (cluster.ScratchKproxy: the node's flags and Node, in a
+//     namespace of its own) syncs the same objects from nothing, and the
+//     node's rules, normalised, must equal its rules.
+//   - apiserver-outage: etcd and the API server stopped for 30 s; right
+//     after they are back a probe Service is created: programmed within
+//     min-sync-period (1s) plus 2s.
+//   - flush: `iptables -t nat -F`, then -F plus -X (iptables mode); `nft
+//     flush table ip kproxy`, then `nft flush chain ip kproxy services`
+//     (nftables mode), in node-1's namespace: repaired within one sync
+//     period plus 2s. Requests fail until then; the count is reported.
+//   - xtables-lock (iptables mode): kproxy on node-1 switched to
+//     iptables-legacy (the legacy tools first on its PATH; the nf_tables
+//     backend's rules removed), /run/xtables.lock held for 10 s, a probe
+//     Service created meanwhile: programmed within one sync period of the
+//     release. Afterwards the legacy rules are removed.
+//   - poisoned-service: restores naming a new Service are refused; once
+//     one was, another Service's endpoint moves from one backend to the
+//     other: programmed within min-sync-period plus 2s; the poison stays
+//     two sync periods and more, /healthz must stay 200.
+//   - hung-restore: restores hang for the deadline plus 5s (15 s without
+//     a deadline flag) while a probe Service waits to be programmed: the
+//     hung restore must be killed by then, and the probe programmed within
+//     one sync period once the hang ends.
+//
+// Every scenario but flush must fail no request. "Reprogrammed" is the
+// time from the end of the fault (the kill, the change made after the API
+// server returned, the flush, the lock's release, the endpoint change, the
+// end of the hang) until kproxy logged an IPv4 sync after it and the
+// probe answers (flush: until every rule of before the flush is back; poisoned-service: until the moved Service answers from its new
+// endpoint only). Health is what node-1's /healthz answered, polled every
+// 250 ms, as its changes: "200,503@21.3s,200@40.1s". Every scenario
+// puts back what it changed (kproxy's flags, PATH and backend, the control
+// plane, the lock, the shims' files) even when it fails. With
+// KPC_FAULTS_OUT set the lines are also written as JSON.
+//
 // Environment:
 //
 //	KPROXY_E2E_MODES  the rounds' modes, in order (default "iptables nftables")
@@ -51,4 +108,6 @@
 //	                  the test measures 50 changes instead of a smoke run's 10);
 //	                  "{mode}" in it is replaced by the mode, and without it a run
 //	                  of several modes writes <name>-<mode><ext> per mode
+//	KPC_FAULTS_OUT    where TestFaults writes its scenarios' results as JSON
+//	                  ("{mode}" and several modes as for KPC_LATENCY_OUT)
 package e2e

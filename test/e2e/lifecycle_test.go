@@ -201,23 +201,41 @@ func (e *env) kproxyRunning(ctx context.Context, node string) bool {
 // stream is a steady flow of requests and its outcome.
 type stream struct {
 	name, from, addr string
+	// network is "tcp" (when empty) or "udp".
+	network string
 
+	mu       sync.Mutex
 	ok       int
 	failures []string
+	// failedAt are the start times of the failed requests.
+	failedAt []time.Time
 }
 
-// run sends a request every interval until stop closes or limit requests
-// were sent.
+// send sends one request and records its outcome.
+func (s *stream) send(e *env, timeout time.Duration) {
+	network := s.network
+	if network == "" {
+		network = "tcp"
+	}
+	began := time.Now()
+	_, err := e.request(s.from, network, s.addr, timeout)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err != nil {
+		s.failures = append(s.failures, fmt.Sprintf("%s: %v", began.Format("15:04:05.000"), err))
+		s.failedAt = append(s.failedAt, began)
+		return
+	}
+	s.ok++
+}
+
+// run sends a request every interval, each after the last one ended,
+// until stop closes or limit requests were sent.
 func (s *stream) run(e *env, interval time.Duration, limit int, stop <-chan struct{}) {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	for range limit {
-		began := time.Now()
-		if _, err := e.request(s.from, "tcp", s.addr, requestTimeout); err != nil {
-			s.failures = append(s.failures, fmt.Sprintf("%s: %v", began.Format("15:04:05.000"), err))
-		} else {
-			s.ok++
-		}
+		s.send(e, requestTimeout)
 		select {
 		case <-stop:
 			return

@@ -193,7 +193,8 @@ func kproxyLogSynced(data []byte, offset int64) error {
 type kproxyGuard struct {
 	e    *env
 	node string
-	// extra is set while kproxy runs with the test's extra flags.
+	// extra is set while kproxy runs with the test's extra flags or
+	// environment.
 	extra bool
 }
 
@@ -223,10 +224,17 @@ func (g *kproxyGuard) stop() {
 // its first sync.
 func (g *kproxyGuard) start(extra ...string) {
 	g.e.t.Helper()
+	g.startWith(cluster.KproxyStart{Args: extra})
+}
+
+// startWith starts kproxy with the cluster's flags, opts' extra flags and
+// environment, and waits for its first sync.
+func (g *kproxyGuard) startWith(opts cluster.KproxyStart) {
+	g.e.t.Helper()
 	offset := logSize(g.e.c.KproxyLog(g.node))
-	g.extra = len(extra) > 0
-	if err := g.e.c.StartKproxy(g.e.ctx, g.node, extra...); err != nil {
-		g.e.fatalf("starting kproxy on %s with %q: %v", g.node, extra, err)
+	g.extra = len(opts.Args) > 0 || len(opts.Env) > 0
+	if err := g.e.c.StartKproxyWith(g.e.ctx, g.node, opts); err != nil {
+		g.e.fatalf("starting kproxy on %s with %q (environment %q): %v", g.node, opts.Args, opts.Env, err)
 	}
 	g.e.kproxySynced(g.node, offset)
 }
