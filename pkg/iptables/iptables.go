@@ -7,6 +7,7 @@ package iptables
 
 import (
 	"context"
+	"errors"
 )
 
 // Table is an iptables table name.
@@ -68,6 +69,25 @@ type Interface interface {
 	Restore(ctx context.Context, data []byte) error
 	// SaveInto dumps table in iptables-save format.
 	SaveInto(ctx context.Context, table Table) ([]byte, error)
+	// ListRules returns the rules of each of chains in table, each as its
+	// arguments after "-A CHAIN" (as iptables prints them); a chain that
+	// does not exist has no entry, an empty one an empty list. It is meant
+	// for a few chains: iptables-nft reads only those, iptables-legacy
+	// reads the whole table once (the kernel hands it over whole).
+	ListRules(ctx context.Context, table Table, chains ...Chain) (map[Chain][]string, error)
 	// HasRandomFully reports whether MASQUERADE --random-fully is supported.
 	HasRandomFully() bool
+}
+
+// FailedLine returns the 1-based line of restore input that a Restore
+// error blames, when iptables-restore named one. iptables-nft-restore names
+// the line of a rule the kernel refused; iptables-legacy-restore names the
+// COMMIT line of the table it could not load (the kernel takes a table
+// whole), and either names the line of one it could not parse.
+func FailedLine(err error) (int, bool) {
+	var le interface{ RestoreLine() int }
+	if errors.As(err, &le) && le.RestoreLine() > 0 {
+		return le.RestoreLine(), true
+	}
+	return 0, false
 }

@@ -33,6 +33,11 @@ type Options struct {
 	// WaitSeconds is how long a command waits for the xtables lock (-w).
 	// Zero means 5.
 	WaitSeconds int
+	// Variant selects the binaries: empty runs iptables, iptables-restore
+	// and iptables-save (whichever backend the system chose); "nft" and
+	// "legacy" run iptables-nft... and iptables-legacy... (for tests and
+	// tools that need one backend).
+	Variant string
 }
 
 const defaultWaitSeconds = 5
@@ -129,6 +134,13 @@ func New(ctx context.Context, opts Options) (Interface, error) {
 		base, family = "ip6tables", goiptables.ProtocolIPv6
 	default:
 		return nil, fmt.Errorf("unknown iptables protocol %q", opts.Protocol)
+	}
+	switch opts.Variant {
+	case "":
+	case "nft", "legacy":
+		base += "-" + opts.Variant
+	default:
+		return nil, fmt.Errorf("unknown iptables variant %q", opts.Variant)
 	}
 	wait := opts.WaitSeconds
 	if wait <= 0 {
@@ -459,13 +471,102 @@ func (r *Real) Restore(ctx context.Context, data []byte) error {
 	if err == nil {
 		return nil
 	}
-	msg := fmt.Sprintf("%s failed", filepath.Base(r.restorePath))
+	re := &restoreError{msg: fmt.Sprintf("%s failed", filepath.Base(r.restorePath)), err: err}
 	if n, ok := restoreErrorLine(execStderr(err)); ok {
+		re.line = n
 		if line, ok := restoreInputLine(data, n); ok {
-			msg += fmt.Sprintf(" at input line %d %q", n, line)
+			re.msg += fmt.Sprintf(" at input line %d %q", n, line)
 		}
 	}
-	return fmt.Errorf("%s: %w", msg, err)
+	return re
+}
+
+// restoreError is a failed iptables-restore, with the input line it
+// blamed (0 when none); see FailedLine.
+type restoreError struct {
+	msg  string
+	line int
+	err  error
+}
+
+func (e *restoreError) Error() string    { return e.msg + ": " + e.err.Error() }
+func (e *restoreError) Unwrap() error    { return e.err }
+func (e *restoreError) RestoreLine() int { return e.line }
+
+// ListRules implements Interface. iptables-nft lists each chain alone
+// (`iptables -S CHAIN` reads only that chain from the kernel);
+// iptables-legacy reads the whole table for any listing, so it reads it
+// once, through iptables-save, and stops after the last chain asked for.
+func (r *Real) ListRules(ctx context.Context, table Table, chains ...Chain) (map[Chain][]string, error) {
+	if r.mode == "legacy" {
+		return r.listRulesFromSave(ctx, table, chains)
+	}
+	out := make(map[Chain][]string, len(chains))
+	for _, chain := range chains {
+		var lines []string
+		err := r.call(ctx, "List", table, chain, nil, func() (err error) {
+			lines, err = r.ipt.List(string(table), string(chain))
+			return err
+		})
+		if err != nil {
+			// Exit status 1 is a missing chain, as for ChainExists
+			// (iptables-nft 1.8.9 says "incompatible" then; a lock
+			// timeout is status 4, a bad parameter 2).
+			if exitStatus(err) == 1 {
+				continue
+			}
+			return nil, fmt.Errorf("listing chain %s in table %s: %w", chain, table, err)
+		}
+		prefix := "-A " + string(chain) + " "
+		rules := []string{}
+		for _, l := range lines {
+			if strings.HasPrefix(l, prefix) {
+				rules = append(rules, l[len(prefix):])
+			}
+		}
+		out[chain] = rules
+	}
+	return out, nil
+}
+
+// listRulesFromSave reads the chains' rules from iptables-save, which
+// declares every chain first and then prints the rules chain by chain in
+// the order of the declarations.
+func (r *Real) listRulesFromSave(ctx context.Context, table Table, chains []Chain) (map[Chain][]string, error) {
+	want := make(map[string]bool, len(chains))
+	for _, c := range chains {
+		want[string(c)] = true
+	}
+	out := make(map[Chain][]string, len(chains))
+	order := map[string]int{}
+	last := -1 // the declaration index of the last chain asked for
+	err := r.call(ctx, "ListRules", table, "", nil, func() error {
+		return r.scanLines(ctx, r.savePath, []string{"-t", string(table)}, func(line []byte) bool {
+			switch {
+			case bytes.HasPrefix(line, []byte(":")):
+				name, _, _ := bytes.Cut(line[1:], []byte(" "))
+				order[string(name)] = len(order)
+				if want[string(name)] {
+					out[Chain(name)] = []string{}
+					last = len(order) - 1
+				}
+			case bytes.HasPrefix(line, []byte("-A ")):
+				name, rule, _ := bytes.Cut(line[3:], []byte(" "))
+				if want[string(name)] {
+					out[Chain(name)] = append(out[Chain(name)], string(rule))
+				} else if i, ok := order[string(name)]; ok && i > last {
+					return false // past every chain asked for
+				}
+			case bytes.Equal(line, []byte("COMMIT")):
+				return false
+			}
+			return true
+		})
+	})
+	if err != nil {
+		return nil, fmt.Errorf("listing rules in table %s: %w", table, err)
+	}
+	return out, nil
 }
 
 // SaveInto implements Interface.
