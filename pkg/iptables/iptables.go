@@ -91,3 +91,20 @@ func FailedLine(err error) (int, bool) {
 	}
 	return 0, false
 }
+
+// Refused reports whether a Restore error is iptables-restore refusing its
+// input (it named a line, or exited with status 1 or 2: the kernel or
+// iptables rejected what it was given) rather than failing to run it (a
+// lock it could not take, resources, a cancelled context): only a refusal
+// can be avoided by leaving rules out.
+func Refused(err error) bool {
+	if _, ok := FailedLine(err); ok {
+		return true
+	}
+	var ee interface{ ExitCode() int }
+	if errors.As(err, &ee) {
+		code := ee.ExitCode()
+		return code == 1 || code == 2
+	}
+	return false
+}

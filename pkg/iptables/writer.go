@@ -160,6 +160,9 @@ type WriteStats struct {
 	RestoreTime time.Duration
 }
 
+// Add adds o's counts to s.
+func (s *WriteStats) Add(o WriteStats) { s.add(o) }
+
 func (s *WriteStats) add(o WriteStats) {
 	s.Restores += o.Restores
 	s.ChainsWritten += o.ChainsWritten
