@@ -25,6 +25,9 @@ import (
 	"github.com/kproxy/kproxy/proxier/cleanup"
 )
 
+// DefaultCanaryInterval is Options.CanaryInterval's default.
+const DefaultCanaryInterval = 30 * time.Second
+
 // Options configures a Backend. IPTables is required; the rest have
 // kube-proxy's defaults.
 type Options struct {
@@ -52,8 +55,8 @@ type Options struct {
 	// by someone else goes unnoticed: a partial sync first checks the
 	// canary chains and the hooks (docs/design.md, "Flush detection") when
 	// the last check is at least half of it old, so that a node syncing
-	// every CanaryInterval checks at every sync. Default 30s (the command
-	// sets the sync period).
+	// every CanaryInterval checks at every sync. Default
+	// DefaultCanaryInterval (the command sets the sync period).
 	CanaryInterval time.Duration
 	Clock          clock.PassiveClock
 }
@@ -118,7 +121,7 @@ func New(opts Options) (*Backend, error) {
 		opts.BatchChains = 1000
 	}
 	if opts.CanaryInterval <= 0 {
-		opts.CanaryInterval = 30 * time.Second
+		opts.CanaryInterval = DefaultCanaryInterval
 	}
 	if opts.Clock == nil {
 		opts.Clock = clock.RealClock{}
