@@ -3,6 +3,7 @@ package iptables
 import (
 	"context"
 	"net/netip"
+	"slices"
 	"sort"
 
 	"k8s.io/klog/v2"
@@ -22,6 +23,8 @@ type syncPlan struct {
 	// candidates are the ports rendered by this sync: only they can be set
 	// aside (the others' rules were accepted before).
 	candidates map[proxy.ServicePortName]bool
+	// gone are the ports of the last sync that this one removes.
+	gone []proxy.ServicePortName
 	// withRules are the nat chains of the ports rendered by a partial
 	// sync, handed to the writer with their rules so that it compares
 	// them with what it wrote.
@@ -113,11 +116,18 @@ func (b *Backend) plan(state *proxy.NodeState, full bool, addrs []netip.Addr) *s
 			p.next[name] = r.render(st)
 			p.candidates[name] = true
 		}
+		for name := range b.services {
+			if _, ok := state.Services[name]; !ok {
+				p.gone = append(p.gone, name)
+			}
+		}
 		return p
 	}
 	for name, rs := range b.services {
 		if _, ok := state.Services[name]; ok || !state.Changed.Has(name.NamespacedName) {
 			p.next[name] = rs
+		} else {
+			p.gone = append(p.gone, name)
 		}
 	}
 	for name, st := range state.Services {
@@ -177,7 +187,7 @@ type fullWrites struct{ nat, filter bool }
 func (b *Backend) write(ctx context.Context, p *syncPlan, cur map[proxy.ServicePortName]*renderedService, excluded map[proxy.ServicePortName]fallback, full *fullWrites) (ipt.WriteStats, error) {
 	names := proxy.SortedServicePortNames(cur)
 	filter := b.renderFilter(names, cur, nil)
-	first, loses := filter, b.filterLoses(cur)
+	first, loses := filter, b.filterLoses(p, cur)
 	if loses {
 		first = b.renderFilter(unionNames(names, b.services), cur, b.services)
 	}
@@ -226,20 +236,29 @@ func (b *Backend) write(ctx context.Context, p *syncPlan, cur map[proxy.ServiceP
 
 // filterLoses reports whether cur drops filter rules that the last sync
 // wrote (b.services): a verdict gone, or a port gone with its verdicts.
-func (b *Backend) filterLoses(cur map[proxy.ServicePortName]*renderedService) bool {
-	for name, old := range b.services {
-		rs, ok := cur[name]
-		switch {
+// Only the ports the sync rendered or removed can differ (a port set aside
+// gets the last sync's rules, or none).
+func (b *Backend) filterLoses(p *syncPlan, cur map[proxy.ServicePortName]*renderedService) bool {
+	loses := func(name proxy.ServicePortName) bool {
+		old, ok := b.services[name]
+		if !ok {
+			return false
+		}
+		switch rs, ok := cur[name]; {
 		case rs == old:
+			return false
 		case !ok:
-			if !old.filter().empty() {
-				return true
-			}
-		case !old.filter().subsetOf(rs.filter()):
+			return !old.filter().empty()
+		default:
+			return !old.filter().subsetOf(rs.filter())
+		}
+	}
+	for name := range p.candidates {
+		if loses(name) {
 			return true
 		}
 	}
-	return false
+	return slices.ContainsFunc(p.gone, loses)
 }
 
 // unionNames is names with the ports of old it lacks, sorted.
@@ -261,8 +280,16 @@ func (b *Backend) renderFilter(names []proxy.ServicePortName, cur, old map[proxy
 	var filSvc, filExt []dispatchRule
 	var extNP, firewall, health []string
 	for _, n := range names {
-		var f filterRules
 		rs, ok := cur[n]
+		if old == nil {
+			filSvc = append(filSvc, rs.filterServices...)
+			filExt = append(filExt, rs.filterExternal...)
+			extNP = append(extNP, rs.filterExtNodePorts...)
+			firewall = append(firewall, rs.filterFirewall...)
+			health = append(health, rs.filterHealthCheck...)
+			continue
+		}
+		var f filterRules
 		if ok {
 			f = rs.filter()
 		}
