@@ -359,3 +359,53 @@ func saveAll(t *testing.T, h *harness) string {
 	}
 	return b.String()
 }
+
+// TestSetAsideRefusals covers the other ways a port is set aside.
+func TestSetAsideRefusals(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		refuse func(table ipt.Table, args []string) bool
+		change func(e *proxier.Engine)
+		// want is the flow to s0002 after the sync.
+		want pt.Flow
+	}{
+		{
+			name:   "its last good rules are refused too: no rules",
+			refuse: func(_ ipt.Table, args []string) bool { return slices.Contains(args, "ns/s0002:p") },
+			change: func(e *proxier.Engine) { moveEndpoint(e, 2, "10.244.7.2") },
+			want:   numbered(2, ""),
+		},
+		{
+			name: "its new reject in filter is refused: it keeps its DNAT",
+			refuse: func(table ipt.Table, args []string) bool {
+				return table == ipt.TableFilter && slices.ContainsFunc(args, func(a string) bool { return strings.HasPrefix(a, "ns/s0002:p ") })
+			},
+			change: func(e *proxier.Engine) {
+				_, sl := pt.NumberedService(2)
+				e.OnEndpointSliceDelete(sl)
+			},
+			want: numbered(2, "10.244.2.3"),
+		},
+	} {
+		for _, atCommit := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/atCommit=%v", tc.name, atCommit), func(t *testing.T) {
+				h := newHarness(t, nil, Options{})
+				pt.AddNumberedServices(h.engine, 5)
+				h.sync()
+				h.fake.SetRefusal(func(table ipt.Table, _ ipt.Chain, args []string) error {
+					if tc.refuse(table, args) {
+						return errors.New("refused")
+					}
+					return nil
+				}, atCommit)
+				tc.change(h.engine)
+				moveEndpoint(h.engine, 3, "10.244.7.3")
+				h.sync()
+				if got := setAsideNames(h.last); !slices.Equal(got, []string{"ns/s0002:p"}) {
+					t.Errorf("set aside %v, want ns/s0002:p", got)
+				}
+				h.flows(tc.want, numbered(3, "10.244.7.3"), numbered(1, "10.244.2.2"))
+			})
+		}
+	}
+}

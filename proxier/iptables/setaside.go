@@ -220,13 +220,40 @@ func (s *setAsideSearch) bisect(ctx context.Context, failure error) error {
 	for _, name := range suspects {
 		s.excluded[name] = s.fallbackOf(name)
 	}
+	// When the suspects' last good rules are refused too (the kernel
+	// changed), they start without rules, and the ones found keep their
+	// last good rules afterwards if those are accepted.
+	withoutRules := false
 	if err := s.try(ctx); err != nil {
-		return failure // not the suspects' doing
+		if ctx.Err() != nil {
+			return err
+		}
+		for _, name := range suspects {
+			s.excluded[name] = keepNone
+		}
+		if err := s.try(ctx); err != nil {
+			return failure // not the suspects' doing
+		}
+		withoutRules = true
 	}
 	half := len(suspects) / 2
 	for _, g := range [][]proxy.ServicePortName{suspects[:half], suspects[half:]} {
 		if err := s.refine(ctx, g); err != nil {
 			return err
+		}
+	}
+	if withoutRules {
+		for _, name := range suspects {
+			if s.excluded[name] != keepNone || s.fallbackOf(name) != keepOld {
+				continue
+			}
+			s.excluded[name] = keepOld
+			if err := s.try(ctx); err != nil {
+				if ctx.Err() != nil {
+					return err
+				}
+				s.excluded[name] = keepNone
+			}
 		}
 	}
 	if s.failed {

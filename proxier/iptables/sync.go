@@ -186,10 +186,10 @@ type fullWrites struct{ nat, filter bool }
 // A restore failure is returned as is (an *ipt.ApplyError).
 func (b *Backend) write(ctx context.Context, p *syncPlan, cur map[proxy.ServicePortName]*renderedService, excluded map[proxy.ServicePortName]fallback, full *fullWrites) (ipt.WriteStats, error) {
 	names := proxy.SortedServicePortNames(cur)
-	filter := b.renderFilter(names, cur, nil)
+	filter := b.renderFilter(names, cur, nil, nil)
 	first, loses := filter, b.filterLoses(p, cur)
 	if loses {
-		first = b.renderFilter(unionNames(names, b.services), cur, b.services)
+		first = b.renderFilter(unionNames(names, b.services), cur, b.services, excluded)
 	}
 	var stats ipt.WriteStats
 	writeFilter := func(chains map[string][]string) error {
@@ -275,8 +275,9 @@ func unionNames(names []proxy.ServicePortName, old map[proxy.ServicePortName]*re
 
 // renderFilter renders the filter chains from the ports' filter rules, in
 // names order: those of cur, joined (when old is not nil) with those of
-// old.
-func (b *Backend) renderFilter(names []proxy.ServicePortName, cur, old map[proxy.ServicePortName]*renderedService) map[string][]string {
+// old, except for the ports excluded with no rules at all (their old rules
+// were refused too).
+func (b *Backend) renderFilter(names []proxy.ServicePortName, cur, old map[proxy.ServicePortName]*renderedService, excluded map[proxy.ServicePortName]fallback) map[string][]string {
 	var filSvc, filExt []dispatchRule
 	var extNP, firewall, health []string
 	for _, n := range names {
@@ -293,7 +294,7 @@ func (b *Backend) renderFilter(names []proxy.ServicePortName, cur, old map[proxy
 		if ok {
 			f = rs.filter()
 		}
-		if o, had := old[n]; had && o != rs {
+		if o, had := old[n]; had && o != rs && excluded[n] != keepNone {
 			f = f.union(o.filter())
 		}
 		filSvc = append(filSvc, f.services...)
