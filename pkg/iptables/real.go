@@ -62,6 +62,10 @@ type Real struct {
 	version     string // e.g. "1.8.9"
 	mode        string // "nft" or "legacy"
 	restoreWait []string
+	// mainPath is iptables' path, and wait its lock-wait option, for the
+	// commands run without go-iptables.
+	mainPath string
+	wait     []string
 }
 
 var _ Interface = (*Real)(nil)
@@ -147,14 +151,13 @@ func New(ctx context.Context, opts Options) (Interface, error) {
 		wait = defaultWaitSeconds
 	}
 
-	var mainPath string
 	for _, b := range []struct {
 		dst  *string
 		name string
 		skip bool
 	}{
 		{&r.ipPath, "ip", r.netns == ""},
-		{&mainPath, base, false},
+		{&r.mainPath, base, false},
 		{&r.restorePath, base + "-restore", false},
 		{&r.savePath, base + "-save", false},
 	} {
@@ -171,7 +174,7 @@ func New(ctx context.Context, opts Options) (Interface, error) {
 	// go-iptables parses the backend but does not expose it, so the mode
 	// comes from a probe of our own. It runs before go-iptables' probe
 	// because its error carries stderr (for example a missing namespace).
-	out, err := r.run(ctx, nil, mainPath, "--version")
+	out, err := r.run(ctx, nil, r.mainPath, "--version")
 	if err != nil {
 		return nil, fmt.Errorf("probing %s version: %w", base, err)
 	}
@@ -180,9 +183,9 @@ func New(ctx context.Context, opts Options) (Interface, error) {
 		return nil, fmt.Errorf("probing %s version: %w", base, err)
 	}
 
-	gipPath := mainPath
+	gipPath := r.mainPath
 	if r.netns != "" {
-		if gipPath, err = r.writeNetNSWrapper(base, mainPath); err != nil {
+		if gipPath, err = r.writeNetNSWrapper(base, r.mainPath); err != nil {
 			return nil, err
 		}
 	}
@@ -198,6 +201,14 @@ func New(ctx context.Context, opts Options) (Interface, error) {
 	// iptables-restore takes -w with a timeout in seconds since 1.6.2.
 	if v.atLeast(1, 6, 2) {
 		r.restoreWait = []string{"-w", strconv.Itoa(wait)}
+	}
+	// iptables waits for the lock with -w since 1.4.20, for at most a
+	// number of seconds since 1.4.22.
+	switch {
+	case v.atLeast(1, 4, 22):
+		r.wait = []string{"-w", strconv.Itoa(wait)}
+	case v.atLeast(1, 4, 20):
+		r.wait = []string{"-w"}
 	}
 	klog.FromContext(ctx).V(2).Info("Found iptables", "protocol", r.protocol, "version", r.version, "mode", r.mode, "netns", r.netns, "path", gipPath)
 	return r, nil
@@ -425,12 +436,15 @@ func (r *Real) call(ctx context.Context, op string, table Table, chain Chain, ar
 	return err
 }
 
-// exitStatus is the exit status of a failed go-iptables command, or -1 when
-// err is not one.
+// exitStatus is the exit status of a failed command (go-iptables' or
+// ours), or -1 when err is not one.
 func exitStatus(err error) int {
 	var ge *goiptables.Error
 	if errors.As(err, &ge) {
 		return ge.ExitStatus()
+	}
+	if ee, ok := errors.AsType[*exec.ExitError](err); ok {
+		return ee.ExitCode()
 	}
 	return -1
 }
@@ -479,94 +493,6 @@ func (r *Real) Restore(ctx context.Context, data []byte) error {
 		}
 	}
 	return re
-}
-
-// restoreError is a failed iptables-restore, with the input line it
-// blamed (0 when none); see FailedLine.
-type restoreError struct {
-	msg  string
-	line int
-	err  error
-}
-
-func (e *restoreError) Error() string    { return e.msg + ": " + e.err.Error() }
-func (e *restoreError) Unwrap() error    { return e.err }
-func (e *restoreError) RestoreLine() int { return e.line }
-
-// ListRules implements Interface. iptables-nft lists each chain alone
-// (`iptables -S CHAIN` reads only that chain from the kernel);
-// iptables-legacy reads the whole table for any listing, so it reads it
-// once, through iptables-save, and stops after the last chain asked for.
-func (r *Real) ListRules(ctx context.Context, table Table, chains ...Chain) (map[Chain][]string, error) {
-	if r.mode == "legacy" {
-		return r.listRulesFromSave(ctx, table, chains)
-	}
-	out := make(map[Chain][]string, len(chains))
-	for _, chain := range chains {
-		var lines []string
-		err := r.call(ctx, "List", table, chain, nil, func() (err error) {
-			lines, err = r.ipt.List(string(table), string(chain))
-			return err
-		})
-		if err != nil {
-			// Exit status 1 is a missing chain, as for ChainExists
-			// (iptables-nft 1.8.9 says "incompatible" then; a lock
-			// timeout is status 4, a bad parameter 2).
-			if exitStatus(err) == 1 {
-				continue
-			}
-			return nil, fmt.Errorf("listing chain %s in table %s: %w", chain, table, err)
-		}
-		prefix := "-A " + string(chain) + " "
-		rules := []string{}
-		for _, l := range lines {
-			if strings.HasPrefix(l, prefix) {
-				rules = append(rules, l[len(prefix):])
-			}
-		}
-		out[chain] = rules
-	}
-	return out, nil
-}
-
-// listRulesFromSave reads the chains' rules from iptables-save, which
-// declares every chain first and then prints the rules chain by chain in
-// the order of the declarations.
-func (r *Real) listRulesFromSave(ctx context.Context, table Table, chains []Chain) (map[Chain][]string, error) {
-	want := make(map[string]bool, len(chains))
-	for _, c := range chains {
-		want[string(c)] = true
-	}
-	out := make(map[Chain][]string, len(chains))
-	order := map[string]int{}
-	last := -1 // the declaration index of the last chain asked for
-	err := r.call(ctx, "ListRules", table, "", nil, func() error {
-		return r.scanLines(ctx, r.savePath, []string{"-t", string(table)}, func(line []byte) bool {
-			switch {
-			case bytes.HasPrefix(line, []byte(":")):
-				name, _, _ := bytes.Cut(line[1:], []byte(" "))
-				order[string(name)] = len(order)
-				if want[string(name)] {
-					out[Chain(name)] = []string{}
-					last = len(order) - 1
-				}
-			case bytes.HasPrefix(line, []byte("-A ")):
-				name, rule, _ := bytes.Cut(line[3:], []byte(" "))
-				if want[string(name)] {
-					out[Chain(name)] = append(out[Chain(name)], string(rule))
-				} else if i, ok := order[string(name)]; ok && i > last {
-					return false // past every chain asked for
-				}
-			case bytes.Equal(line, []byte("COMMIT")):
-				return false
-			}
-			return true
-		})
-	})
-	if err != nil {
-		return nil, fmt.Errorf("listing rules in table %s: %w", table, err)
-	}
-	return out, nil
 }
 
 // SaveInto implements Interface.
