@@ -152,6 +152,23 @@ func deleteChain(table iptables.Table, chain iptables.Chain) step {
 	}}
 }
 
+// listRules reports ListRules as "CHAIN: [rules]" or "CHAIN: missing" for
+// each chain, in order.
+func listRules(table iptables.Table, chains ...iptables.Chain) step {
+	return step{name: fmt.Sprintf("ListRules %s %s", table, chains), op: func(ctx context.Context, ipt iptables.Interface) (string, error) {
+		rules, err := ipt.ListRules(ctx, table, chains...)
+		var out []string
+		for _, c := range chains {
+			if r, ok := rules[c]; ok {
+				out = append(out, fmt.Sprintf("%s: %q", c, r))
+			} else {
+				out = append(out, fmt.Sprintf("%s: missing", c))
+			}
+		}
+		return strings.Join(out, "; "), err
+	}}
+}
+
 // restore feeds lines, each ending in a newline, to Restore.
 func restore(lines ...string) step {
 	data := []byte(strings.Join(lines, "\n") + "\n")
@@ -281,6 +298,23 @@ func interfaceCases(f family) []interfaceCase {
 				ensureRule(iptables.Prepend, nat, chain, rule...).is("existed"),
 			},
 			want: map[iptables.Table][]string{nat: {":KPT-TEST -", ruleLine}},
+		},
+		{
+			name: "ListRules lists the chains asked for, in order; a missing chain has no entry",
+			steps: []step{
+				ensureChain(nat, chain),
+				ensureChain(nat, "KPT-EMPTY"),
+				listRules(nat, chain, "KPT-EMPTY", "KPT-MISSING").is("KPT-TEST: []; KPT-EMPTY: []; KPT-MISSING: missing"),
+				ensureRule(iptables.Append, nat, chain, rule...),
+				ensureRule(iptables.Append, nat, chain, "-p", "tcp", "-j", "RETURN"),
+				ensureRule(iptables.Append, nat, iptables.ChainPostrouting, "-j", string(chain)),
+				listRules(nat, iptables.ChainPostrouting, chain, "KPT-EMPTY").is(fmt.Sprintf(`POSTROUTING: ["-j KPT-TEST"]; KPT-TEST: %q; KPT-EMPTY: []`,
+					[]string{ruleLine[len("-A KPT-TEST "):], "-p tcp -j RETURN"})),
+				listRules(filter, chain).is("KPT-TEST: missing"),
+				listRules("kptbogus", chain).fails(errAny),
+				listRules(nat, chain).cancelled(),
+			},
+			want: map[iptables.Table][]string{nat: {":KPT-EMPTY -", ":KPT-TEST -", "-A POSTROUTING -j KPT-TEST", ruleLine, "-A KPT-TEST -p tcp -j RETURN"}},
 		},
 		{
 			name: "Prepend puts the rule first, Append last",

@@ -8,6 +8,7 @@ package iptables
 
 import (
 	"context"
+	"errors"
 )
 
 // Table is an iptables table name.
@@ -69,6 +70,42 @@ type Interface interface {
 	Restore(ctx context.Context, data []byte) error
 	// SaveInto dumps table in iptables-save format.
 	SaveInto(ctx context.Context, table Table) ([]byte, error)
+	// ListRules returns the rules of each of chains in table, each as its
+	// arguments after "-A CHAIN" (as iptables prints them); a chain that
+	// does not exist has no entry, an empty one an empty list. It is meant
+	// for a few chains: iptables-nft reads only those, iptables-legacy
+	// reads the whole table once (the kernel hands it over whole).
+	ListRules(ctx context.Context, table Table, chains ...Chain) (map[Chain][]string, error)
 	// HasRandomFully reports whether MASQUERADE --random-fully is supported.
 	HasRandomFully() bool
+}
+
+// FailedLine returns the 1-based line of restore input that a Restore
+// error blames, when iptables-restore named one. iptables-nft-restore names
+// the line of a rule the kernel refused; iptables-legacy-restore names the
+// COMMIT line of the table it could not load (the kernel takes a table
+// whole), and either names the line of one it could not parse.
+func FailedLine(err error) (int, bool) {
+	var le interface{ RestoreLine() int }
+	if errors.As(err, &le) && le.RestoreLine() > 0 {
+		return le.RestoreLine(), true
+	}
+	return 0, false
+}
+
+// Refused reports whether a Restore error is iptables-restore refusing its
+// input (it named a line, or exited with status 1 or 2: the kernel or
+// iptables rejected what it was given) rather than failing to run it (a
+// lock it could not take, resources, a cancelled context): only a refusal
+// can be avoided by leaving rules out.
+func Refused(err error) bool {
+	if _, ok := FailedLine(err); ok {
+		return true
+	}
+	var ee interface{ ExitCode() int }
+	if errors.As(err, &ee) {
+		code := ee.ExitCode()
+		return code == 1 || code == 2
+	}
+	return false
 }

@@ -41,6 +41,11 @@ type Options struct {
 	// RestoreTimeout bounds each iptables-restore and iptables-save run;
 	// zero means DefaultRestoreTimeout.
 	RestoreTimeout time.Duration
+	// Variant selects the binaries: empty runs iptables, iptables-restore
+	// and iptables-save (whichever backend the system chose); "nft" and
+	// "legacy" run iptables-nft... and iptables-legacy... (for tests and
+	// tools that need one backend).
+	Variant string
 }
 
 const (
@@ -168,6 +173,13 @@ func New(ctx context.Context, opts Options) (Interface, error) {
 		base = "ip6tables"
 	default:
 		return nil, fmt.Errorf("unknown iptables protocol %q", opts.Protocol)
+	}
+	switch opts.Variant {
+	case "":
+	case "nft", "legacy":
+		base += "-" + opts.Variant
+	default:
+		return nil, fmt.Errorf("unknown iptables variant %q", opts.Variant)
 	}
 	wait := opts.WaitSeconds
 	if wait <= 0 {
@@ -415,13 +427,14 @@ func (r *Real) Restore(ctx context.Context, data []byte) error {
 	if err == nil {
 		return nil
 	}
-	msg := fmt.Sprintf("%s failed", filepath.Base(r.restorePath))
+	re := &restoreError{msg: fmt.Sprintf("%s failed", filepath.Base(r.restorePath)), err: err}
 	if n, ok := restoreErrorLine(execStderr(err)); ok && !deadline.IsTimeout(err) {
+		re.line = n
 		if line, ok := restoreInputLine(data, n); ok {
-			msg += fmt.Sprintf(" at input line %d %q", n, line)
+			re.msg += fmt.Sprintf(" at input line %d %q", n, line)
 		}
 	}
-	return fmt.Errorf("%s: %w", msg, err)
+	return re
 }
 
 // SaveInto implements Interface.

@@ -160,6 +160,9 @@ type WriteStats struct {
 	RestoreTime time.Duration
 }
 
+// Add adds o's counts to s.
+func (s *WriteStats) Add(o WriteStats) { s.add(o) }
+
 func (s *WriteStats) add(o WriteStats) {
 	s.Restores += o.Restores
 	s.ChainsWritten += o.ChainsWritten
@@ -178,10 +181,13 @@ func (s *WriteStats) add(o WriteStats) {
 
 // chainRecord is what a Writer remembers of a chain it wrote: a
 // fingerprint of its rules (not their text, which is most of a large rule
-// set's size) and their number.
+// set's size) and their number. An unknown record is a chain a failed
+// restore may or may not have changed: it matches no rules, so the chain
+// is written again (or deleted, when no longer wanted).
 type chainRecord struct {
-	sum   uint64
-	rules int
+	sum     uint64
+	rules   int
+	unknown bool
 }
 
 // fingerprinter hashes rule lists with a seed of its own: chains differ
@@ -292,6 +298,19 @@ type plannedRestore struct {
 
 func newRestore(sections []section) plannedRestore { return plannedRestore{sections: sections} }
 
+// eachChain calls fn with every chain the restore writes or deletes.
+func (r *plannedRestore) eachChain(fn func(t Table, name string, deleted bool)) {
+	for i := range r.sections {
+		s := &r.sections[i]
+		for j := range s.write {
+			s.write[j].eachName(func(n string) { fn(s.table, n, false) })
+		}
+		for _, n := range s.delete {
+			fn(s.table, n, true)
+		}
+	}
+}
+
 // empty reports whether the restore would write nothing.
 func (r plannedRestore) empty() bool {
 	for i := range r.sections {
@@ -321,7 +340,10 @@ func (r plannedRestore) render(buf *bytes.Buffer, fp fingerprinter, record map[T
 // run in order.
 type Plan struct {
 	// Full is true for a plan that writes every chain of its rule set.
-	Full     bool
+	Full bool
+	// relist: the plan listed the kernel's chains to delete the owned ones
+	// its rule set lacks (a full plan, or the first after a failed one).
+	relist   bool
 	restores []plannedRestore
 	fp       fingerprinter
 	// written are the records of the chains the plan writes, by table;
@@ -370,12 +392,76 @@ func (p *Plan) Stats() WriteStats {
 	return st
 }
 
-// apply runs the restores in order and stops at the first failure. The
-// statistics count the restores tried.
-func (p *Plan) apply(ctx context.Context, iface Interface) (WriteStats, error) {
+// ApplyError is a failed write: the restore of its plan that failed (those
+// before it were applied) and, when iptables-restore named one, the input
+// line it blamed (see FailedLine).
+type ApplyError struct {
+	// Restore is the failed restore's index in the plan, of Restores.
+	Restore, Restores int
+	// Bytes is the size of the failed restore's input.
+	Bytes int
+	// Written are, by table, the chains the failed restore declared in
+	// order to write them, and Deleted those it was to delete.
+	Written, Deleted map[Table][]string
+	// Line is the input line blamed (1-based; 0 when none was named),
+	// Text that line and Table the table of the section holding it.
+	Line  int
+	Text  string
+	Table Table
+	Err   error
+}
+
+func (e *ApplyError) Error() string {
+	return fmt.Sprintf("iptables-restore %d of %d (%d bytes): %v", e.Restore+1, e.Restores, e.Bytes, e.Err)
+}
+
+func (e *ApplyError) Unwrap() error { return e.Err }
+
+// newApplyError describes the failure of restore i, whose input is data.
+func (p *Plan) newApplyError(i int, data []byte, err error) *ApplyError {
+	r := &p.restores[i]
+	ae := &ApplyError{Restore: i, Restores: len(p.restores), Bytes: len(data), Err: err,
+		Written: map[Table][]string{}, Deleted: map[Table][]string{}}
+	for j := range r.sections {
+		s := &r.sections[j]
+		for k := range s.write {
+			s.write[k].eachName(func(n string) { ae.Written[s.table] = append(ae.Written[s.table], n) })
+		}
+		ae.Deleted[s.table] = append(ae.Deleted[s.table], s.delete...)
+	}
+	if n, ok := FailedLine(err); ok {
+		ae.Line = n
+		ae.Text, ae.Table = lineOf(data, n)
+	}
+	return ae
+}
+
+// lineOf returns line n (1-based) of restore input and the table of the
+// section holding it ("" when there is no such line).
+func lineOf(data []byte, n int) (string, Table) {
+	var table Table
+	i := 0
+	for line := range bytes.Lines(data) {
+		i++
+		text := strings.TrimRight(string(line), "\r\n")
+		if strings.HasPrefix(text, "*") {
+			table = Table(text[1:])
+		}
+		if i == n {
+			return text, table
+		}
+	}
+	return "", ""
+}
+
+// apply runs the restores in order and stops at the first failure, an
+// *ApplyError. done, when not nil, is called after each restore applied.
+// The statistics count the restores tried.
+func (p *Plan) apply(ctx context.Context, iface Interface, done func(r *plannedRestore)) (WriteStats, error) {
 	var st WriteStats
 	var buf bytes.Buffer
-	for _, r := range p.restores {
+	for i := range p.restores {
+		r := &p.restores[i]
 		rs, err := r.render(&buf, p.fp, p.written)
 		if err != nil {
 			return st, err
@@ -385,7 +471,10 @@ func (p *Plan) apply(ctx context.Context, iface Interface) (WriteStats, error) {
 		err = iface.Restore(ctx, buf.Bytes())
 		st.RestoreTime += time.Since(start)
 		if err != nil {
-			return st, fmt.Errorf("iptables-restore (%d bytes): %w", buf.Len(), err)
+			return st, p.newApplyError(i, buf.Bytes(), err)
+		}
+		if done != nil {
+			done(r)
 		}
 	}
 	return st, nil
@@ -416,8 +505,12 @@ type Writer struct {
 	opts WriterOptions
 	fp   fingerprinter
 	// last holds the record of every chain as last written; nil when
-	// unknown (before a write, after a failed one, after Forget).
+	// unknown (before a write, after Forget).
 	last map[Table]map[string]chainRecord
+	// relist is set after a full write failed: last then holds only what
+	// that write applied, and the next write lists the kernel's chains, as
+	// a full one does, to delete the owned ones it does not want.
+	relist bool
 }
 
 // NewWriter validates opts and returns a Writer. It touches nothing.
@@ -436,7 +529,7 @@ func NewWriter(opts WriterOptions) (*Writer, error) {
 
 // Forget drops the record of the last write: the next write carries every
 // chain.
-func (w *Writer) Forget() { w.last = nil }
+func (w *Writer) Forget() { w.last, w.relist = nil, false }
 
 // RuleCount is the number of rules in table's chains as last written
 // (after a successful write, the rules of its rule set's chains); 0 when
@@ -470,7 +563,7 @@ func (w *Writer) Plan(ctx context.Context, rs *RuleSet, full bool) (*Plan, error
 			return nil, fmt.Errorf("iptables writer: shared chains in table %s, which it does not write", t)
 		}
 	}
-	p := &Plan{Full: full, fp: w.fp, written: map[Table]map[string]chainRecord{}, deleted: map[Table][]string{}, dropped: map[Table][]string{}}
+	p := &Plan{Full: full, relist: full || w.relist, fp: w.fp, written: map[Table]map[string]chainRecord{}, deleted: map[Table][]string{}, dropped: map[Table][]string{}}
 	for _, t := range w.opts.Tables {
 		p.written[t] = map[string]chainRecord{}
 	}
@@ -497,8 +590,9 @@ func (w *Writer) Plan(ctx context.Context, rs *RuleSet, full bool) (*Plan, error
 		if g.lazy() {
 			write := full
 			for _, name := range g.Names {
-				if _, ok := w.last[g.Table][name]; ok {
+				if rec, ok := w.last[g.Table][name]; ok {
 					known[g.Table]++
+					write = write || rec.unknown
 				} else {
 					write = true
 				}
@@ -537,7 +631,7 @@ func (w *Writer) Plan(ctx context.Context, rs *RuleSet, full bool) (*Plan, error
 	for _, t := range w.opts.Tables {
 		var candidates []string
 		switch {
-		case full:
+		case p.relist:
 			existing, err := w.opts.IPTables.ListChains(ctx, t)
 			if err != nil {
 				return nil, fmt.Errorf("listing %s chains: %w", t, err)
@@ -556,7 +650,7 @@ func (w *Writer) Plan(ctx context.Context, rs *RuleSet, full bool) (*Plan, error
 			case wanted[name]:
 			case w.opts.Owned(t, name):
 				p.deleted[t] = append(p.deleted[t], name)
-			case !full:
+			case !p.relist:
 				p.dropped[t] = append(p.dropped[t], name)
 			}
 		}
@@ -604,36 +698,50 @@ func (w *Writer) sections(groups []ChainGroup, shared map[Table][]ChainRules, de
 	return out
 }
 
-// Apply runs p, a plan of this Writer, and records what it wrote. After a
-// failure the Writer forgets its last write, so the next one carries every
-// chain; a caller should make it full, as restores before the failing one
-// stay applied. The statistics count the restores tried.
+// Apply runs p, a plan of this Writer, and records what it wrote, restore
+// by restore. A failure is an *ApplyError. The restores before the failed
+// one stay applied and recorded; the chains of the failed one become
+// unknown (a restore of several tables may have applied some of them), so
+// the next write, full or not, carries them again. After a failed full
+// plan the record holds only what it applied, and the next write also
+// lists the kernel's chains to delete the owned ones it does not want: a
+// partial write then finishes what the full one started. The statistics
+// count the restores tried.
 func (w *Writer) Apply(ctx context.Context, p *Plan) (WriteStats, error) {
-	st, err := p.apply(ctx, w.opts.IPTables)
-	if err != nil {
-		w.last = nil
-		return st, err
-	}
 	if p.Full || w.last == nil {
 		w.last = map[Table]map[string]chainRecord{}
 	}
-	for t, chains := range p.written {
-		if len(chains) == 0 {
-			continue
-		}
+	for _, t := range w.opts.Tables {
 		if w.last[t] == nil {
-			w.last[t] = make(map[string]chainRecord, len(chains))
-		}
-		for name, rec := range chains {
-			w.last[t][name] = rec
+			w.last[t] = map[string]chainRecord{}
 		}
 	}
-	for _, m := range []map[Table][]string{p.deleted, p.dropped} {
-		for t, names := range m {
-			for _, name := range names {
+	st, err := p.apply(ctx, w.opts.IPTables, func(r *plannedRestore) {
+		r.eachChain(func(t Table, name string, deleted bool) {
+			if deleted {
 				delete(w.last[t], name)
+			} else {
+				w.last[t][name] = p.written[t][name]
 			}
+		})
+	})
+	if err != nil {
+		var ae *ApplyError
+		if errors.As(err, &ae) {
+			p.restores[ae.Restore].eachChain(func(t Table, name string, _ bool) {
+				w.last[t][name] = chainRecord{unknown: true}
+			})
 		}
+		w.relist = w.relist || p.relist
+		return st, err
+	}
+	for t, names := range p.dropped {
+		for _, name := range names {
+			delete(w.last[t], name)
+		}
+	}
+	if p.relist {
+		w.relist = false
 	}
 	return st, nil
 }
@@ -680,7 +788,7 @@ func RemoveChains(ctx context.Context, iface Interface, tables []Table, owned fu
 			errs = append(errs, err)
 			continue
 		}
-		done, err := p.apply(ctx, iface)
+		done, err := p.apply(ctx, iface, nil)
 		st.add(done)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("deleting %d %s chains: %w", len(p.deleted[t]), t, err))

@@ -203,27 +203,112 @@ func (f *failingRestore) Restore(ctx context.Context, data []byte) error {
 	return f.Fake.Restore(ctx, data)
 }
 
-func TestWriterForgetsAfterFailure(t *testing.T) {
-	ctx := context.Background()
-	iface := &failingRestore{Fake: iptablestest.NewFake(ProtocolIPv4), fail: map[int]bool{2: true}}
-	w, err := NewWriter(WriterOptions{IPTables: iface, Owned: ownedByTest})
-	if err != nil {
-		t.Fatal(err)
+// TestWriterAfterFailure: a failed write keeps the record of the restores
+// it applied; the next write, full or not, carries the chains of the failed
+// restore and, after a failed full write, what it had not written yet, and
+// deletes the owned chains it does not want.
+func TestWriterAfterFailure(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// first is written fully and successfully; second fails at
+		// restore fail (1-based, counted from the second write).
+		first      []int
+		second     []int
+		secondFull bool
+		batch      int
+		fail       int
+		// wantChains and wantDeleted: what the next partial write of
+		// second carries.
+		wantChains, wantDeleted int
+	}{
+		{
+			name: "failed partial write: its chains only", first: []int{1}, second: []int{1, 2}, fail: 1,
+			// T-EP-2, T-SVC-2, T-SERVICES.
+			wantChains: 3,
+		},
+		{
+			name: "failed full write in its second batch: the rest, and the deletions", first: []int{1, 4}, second: []int{1, 2, 3}, secondFull: true, batch: 2, fail: 2,
+			// Group 2 (failed) and group 3 (not written), T-SERVICES and
+			// T-FORWARD (not written); T-EP-4 and T-SVC-4 deleted.
+			wantChains: 6, wantDeleted: 2,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			iface := &failingRestore{Fake: iptablestest.NewFake(ProtocolIPv4), fail: map[int]bool{}}
+			w, err := NewWriter(WriterOptions{IPTables: iface, Owned: ownedByTest, BatchChains: tc.batch})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := w.Write(ctx, testRuleSet(tc.first...), true); err != nil {
+				t.Fatal(err)
+			}
+			iface.fail[iface.n+tc.fail] = true
+			_, err = w.Write(ctx, testRuleSet(tc.second...), tc.secondFull)
+			var ae *ApplyError
+			if !errors.As(err, &ae) || ae.Restore != tc.fail-1 || ae.Line != 0 {
+				t.Fatalf("failed write: %v; want an ApplyError of restore %d naming no line", err, tc.fail)
+			}
+			p, err := w.Plan(ctx, testRuleSet(tc.second...), false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st := p.Stats(); st.ChainsWritten != tc.wantChains || st.ChainsDeleted != tc.wantDeleted {
+				t.Errorf("the write after the failure carries %d chains and deletes %d, want %d and %d:\n%s",
+					st.ChainsWritten, st.ChainsDeleted, tc.wantChains, tc.wantDeleted, p)
+			}
+			if _, err := w.Apply(ctx, p); err != nil {
+				t.Fatal(err)
+			}
+			// The kernel now holds exactly the second rule set, and the
+			// writer knows it.
+			checkWritten(t, iface.Fake, testRuleSet(tc.second...))
+			if p, err := w.Plan(ctx, testRuleSet(tc.second...), false); err != nil || !p.Empty() {
+				t.Errorf("a further write is %v, %v; want nothing", p, err)
+			}
+		})
 	}
-	if _, err := w.Write(ctx, testRuleSet(1), true); err != nil {
-		t.Fatal(err)
-	}
-	st, err := w.Write(ctx, testRuleSet(1, 2), false)
-	if err == nil || st.Restores != 1 {
-		t.Fatalf("failed write: err %v, %d restores; want an error after 1", err, st.Restores)
-	}
-	// Unknown state: everything is written again.
-	p, err := w.Plan(ctx, testRuleSet(1, 2), false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := p.Stats().ChainsWritten; got != 6 {
-		t.Errorf("after a failure a write carries %d chains, want all 6", got)
+}
+
+// TestWriterApplyErrorNamesTheLine: a refused rule is reported with its
+// line, its text and its table, and the chains of the failed restore.
+func TestWriterApplyErrorNamesTheLine(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		atCommit bool
+		wantText string
+	}{
+		{name: "the rule's line (iptables-nft)", wantText: "-A T-FORWARD -j ACCEPT"},
+		{name: "the COMMIT line (iptables-legacy)", atCommit: true, wantText: "COMMIT"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fake := iptablestest.NewFake(ProtocolIPv4)
+			fake.SetRefusal(func(table Table, chain Chain, args []string) error {
+				if chain == "T-FORWARD" {
+					return errors.New("no such match")
+				}
+				return nil
+			}, tc.atCommit)
+			w, err := NewWriter(WriterOptions{IPTables: fake, Owned: ownedByTest})
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = w.Write(context.Background(), testRuleSet(1), true)
+			var ae *ApplyError
+			if !errors.As(err, &ae) {
+				t.Fatalf("write: %v, want an ApplyError", err)
+			}
+			if ae.Line == 0 || ae.Text != tc.wantText || ae.Table != TableFilter {
+				t.Errorf("blamed line %d %q in table %q, want %q in filter", ae.Line, ae.Text, ae.Table, tc.wantText)
+			}
+			if !slices.Equal(ae.Written[TableFilter], []string{"T-FORWARD"}) || len(ae.Written[TableNAT]) != 3 {
+				t.Errorf("failed restore wrote %v", ae.Written)
+			}
+			// nat was committed before filter failed, as iptables-restore does.
+			if got := fake.Rules(TableNAT, "T-SVC-1"); len(got) != 1 {
+				t.Errorf("nat T-SVC-1 = %q, want its rule", got)
+			}
+		})
 	}
 }
 

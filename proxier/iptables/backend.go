@@ -1,14 +1,18 @@
 // Package iptables is kproxy's iptables backend: it renders the node's
 // desired state into nat and filter rules and applies them with
-// iptables-restore --noflush, one atomic restore per sync.
+// iptables-restore --noflush, table by table in an order in which every
+// prefix is safe (docs/design.md, "Atomic syncs across tables"), setting
+// aside the service ports whose rules the kernel refuses (docs/design.md,
+// "Set-aside services").
 package iptables
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
-	"sort"
+	"slices"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -20,6 +24,9 @@ import (
 	"github.com/kproxy/kproxy/proxier"
 	"github.com/kproxy/kproxy/proxier/cleanup"
 )
+
+// DefaultCanaryInterval is Options.CanaryInterval's default.
+const DefaultCanaryInterval = 30 * time.Second
 
 // Options configures a Backend. IPTables is required; the rest have
 // kube-proxy's defaults.
@@ -44,8 +51,12 @@ type Options struct {
 	// sync: iptables-nft's restore time grows with the square of the chains
 	// in one batch. Default 1000.
 	BatchChains int
-	// CanaryInterval is how often a partial sync first checks that our
-	// chains were not flushed by someone else. Default 30s.
+	// CanaryInterval bounds how long a flush of kproxy's chains or hooks
+	// by someone else goes unnoticed: a partial sync first checks the
+	// canary chains and the hooks (docs/design.md, "Flush detection") when
+	// the last check is at least half of it old, so that a node syncing
+	// every CanaryInterval checks at every sync. Default
+	// DefaultCanaryInterval (the command sets the sync period).
 	CanaryInterval time.Duration
 	Clock          clock.PassiveClock
 }
@@ -59,6 +70,11 @@ type SyncStats struct {
 	// NATRules and FilterRules count every rule kproxy owns after the sync.
 	NATRules    int
 	FilterRules int
+	// Attempts is the number of writes of the rule set the sync made: one,
+	// plus one per service port set aside or bisection step.
+	Attempts int
+	// SetAside counts the service ports set aside after the sync.
+	SetAside int
 }
 
 // Backend implements proxier.Backend with iptables.
@@ -69,10 +85,16 @@ type Backend struct {
 	masqMark string // e.g. 0x4000
 	clock    clock.PassiveClock
 
-	// services is what was last applied, per service port.
+	// services is what was last applied, per service port: for a port set
+	// aside, its last good rules (absent when it never had any).
 	services map[proxy.ServicePortName]*renderedService
-	// writer writes the chains and remembers what it last wrote.
-	writer *ipt.Writer
+	// setAside are the ports whose rules the kernel refused, with the
+	// refusal; they keep services' rules until they change or a full sync
+	// (docs/design.md, "Set-aside services").
+	setAside map[proxy.ServicePortName]error
+	// natWriter and filterWriter write each table's chains and remember
+	// what they last wrote; one restore never holds both tables.
+	natWriter, filterWriter *ipt.Writer
 	// initialized is true once a full sync succeeded; false forces the next
 	// sync to be full.
 	initialized   bool
@@ -99,7 +121,7 @@ func New(opts Options) (*Backend, error) {
 		opts.BatchChains = 1000
 	}
 	if opts.CanaryInterval <= 0 {
-		opts.CanaryInterval = 30 * time.Second
+		opts.CanaryInterval = DefaultCanaryInterval
 	}
 	if opts.Clock == nil {
 		opts.Clock = clock.RealClock{}
@@ -107,23 +129,26 @@ func New(opts Options) (*Backend, error) {
 	if opts.LocalAddresses == nil {
 		opts.LocalAddresses = netlink.HostAddresses
 	}
-	writer, err := ipt.NewWriter(ipt.WriterOptions{
-		IPTables: opts.IPTables,
-		// Base chains are never deleted by a sync (only by Cleanup).
-		Owned:       func(table ipt.Table, chain string) bool { return isOwnedChain(chain) && !isBaseChain(table, chain) },
-		BatchChains: opts.BatchChains,
-	})
+	// Base chains are never deleted by a sync (only by Cleanup).
+	owned := func(table ipt.Table, chain string) bool { return isOwnedChain(chain) && !isBaseChain(table, chain) }
+	natWriter, err := ipt.NewWriter(ipt.WriterOptions{IPTables: opts.IPTables, Owned: owned, BatchChains: opts.BatchChains, Tables: []ipt.Table{ipt.TableNAT}})
+	if err != nil {
+		return nil, fmt.Errorf("iptables backend: %w", err)
+	}
+	filterWriter, err := ipt.NewWriter(ipt.WriterOptions{IPTables: opts.IPTables, Owned: owned, Tables: []ipt.Table{ipt.TableFilter}})
 	if err != nil {
 		return nil, fmt.Errorf("iptables backend: %w", err)
 	}
 	return &Backend{
-		writer:   writer,
-		ipt:      opts.IPTables,
-		ipv6:     opts.IPTables.Protocol() == ipt.ProtocolIPv6,
-		opts:     opts,
-		masqMark: fmt.Sprintf("%#x", uint32(1)<<bit),
-		clock:    opts.Clock,
-		services: map[proxy.ServicePortName]*renderedService{},
+		natWriter:    natWriter,
+		filterWriter: filterWriter,
+		setAside:     map[proxy.ServicePortName]error{},
+		ipt:          opts.IPTables,
+		ipv6:         opts.IPTables.Protocol() == ipt.ProtocolIPv6,
+		opts:         opts,
+		masqMark:     fmt.Sprintf("%#x", uint32(1)<<bit),
+		clock:        opts.Clock,
+		services:     map[proxy.ServicePortName]*renderedService{},
 	}, nil
 }
 
@@ -188,15 +213,59 @@ func (b *Backend) ensureHooks(ctx context.Context) error {
 	return ipt.EnsureJumpRules(ctx, b.ipt, jumpRules)
 }
 
-// canaryIntact reports whether our canary chains still exist.
-func (b *Backend) canaryIntact(ctx context.Context) (bool, error) {
-	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
-		ok, err := b.ipt.ChainExists(ctx, table, chainCanary)
-		if err != nil || !ok {
-			return false, err
+// canaryRule is the one rule of each table's canary chain: an empty
+// canary chain means someone flushed the table (iptables -F), a missing one
+// that they deleted its chains too (-X).
+var canaryRule = comment("kproxy canary: empty or missing means this table was flushed") + " -j RETURN"
+
+// hookChains are, per table, the built-in chains holding kproxy's hooks.
+var hookChains = func() map[ipt.Table][]ipt.Chain {
+	out := map[ipt.Table][]ipt.Chain{}
+	for _, j := range jumpRules {
+		if !slices.Contains(out[j.Table], j.Chain) {
+			out[j.Table] = append(out[j.Table], j.Chain)
 		}
 	}
-	return true, nil
+	return out
+}()
+
+// flushed checks, with one listing of a few chains per table, that each
+// table's canary chain holds its rule and that every hook is in place. It
+// returns what is missing, "" when nothing is (docs/design.md, "Flush
+// detection").
+func (b *Backend) flushed(ctx context.Context) (string, error) {
+	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
+		rules, err := b.ipt.ListRules(ctx, table, append([]ipt.Chain{chainCanary}, hookChains[table]...)...)
+		if err != nil {
+			return "", fmt.Errorf("listing the %s canary and hooks: %w", table, err)
+		}
+		switch canary, ok := rules[chainCanary]; {
+		case !ok:
+			return fmt.Sprintf("chain %s/%s is missing", table, chainCanary), nil
+		case len(canary) == 0:
+			return fmt.Sprintf("chain %s/%s is empty", table, chainCanary), nil
+		}
+		for _, j := range jumpRules {
+			if j.Table == table && !slices.ContainsFunc(rules[j.Chain], func(r string) bool { return jumpsTo(r, j.Args[len(j.Args)-1]) }) {
+				return fmt.Sprintf("the jump from %s/%s to %s is missing", table, j.Chain, j.Args[len(j.Args)-1]), nil
+			}
+		}
+	}
+	return "", nil
+}
+
+// jumpsTo reports whether rule (as iptables lists it) jumps to target.
+func jumpsTo(rule, target string) bool {
+	args, err := ipt.SplitArgs(rule)
+	if err != nil {
+		return false
+	}
+	for i := 0; i+1 < len(args); i++ {
+		if (args[i] == "-j" || args[i] == "--jump") && args[i+1] == target {
+			return true
+		}
+	}
+	return false
 }
 
 // Sync implements proxier.Backend.
@@ -208,16 +277,17 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 	if state.IsIPv6() != b.ipv6 {
 		return proxy.BackendResult{}, fmt.Errorf("iptables backend for %s given %s state", b.ipt.Protocol(), state.Family)
 	}
+	asked := full
 	full = full || !b.initialized
 	now := b.clock.Now()
-	if !full && now.Sub(b.lastCanary) >= b.opts.CanaryInterval {
-		ok, err := b.canaryIntact(ctx)
+	if !full && now.Sub(b.lastCanary) >= b.opts.CanaryInterval/2 {
+		missing, err := b.flushed(ctx)
 		if err != nil {
-			return proxy.BackendResult{}, fmt.Errorf("checking canary chain: %w", err)
+			return proxy.BackendResult{}, fmt.Errorf("checking for a flush: %w", err)
 		}
 		b.lastCanary = now
-		if !ok {
-			logger.Info("kproxy chains were flushed by someone else; doing a full sync", "family", state.Family)
+		if missing != "" {
+			logger.Info("kproxy's rules were flushed by someone else; doing a full sync", "family", state.Family, "missing", missing)
 			full = true
 		}
 	}
@@ -231,83 +301,19 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 		b.lastCanary = now
 	}
 	st := b.last
-	return proxy.BackendResult{
+	res := proxy.BackendResult{
 		RuleCounts: map[string]int{string(ipt.TableNAT): st.NATRules, string(ipt.TableFilter): st.FilterRules},
 		RulesWritten: map[string]int{
 			string(ipt.TableNAT):    st.RulesWrittenByTable[ipt.TableNAT],
 			string(ipt.TableFilter): st.RulesWrittenByTable[ipt.TableFilter],
 		},
 		ChainsWritten: st.ChainsWritten, ChainsDeleted: st.ChainsDeleted, KernelWrites: st.Restores, KernelTime: st.RestoreTime,
-	}, nil
-}
-
-func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, full bool) error {
-	logger := klog.FromContext(ctx)
-	addrs, err := b.localAddrs()
-	if err != nil {
-		return err
+		Full: full && !asked,
 	}
-	r := &renderer{ipv6: b.ipv6, clusterCIDR: state.Options.ClusterCIDR}
-
-	// Render the services this sync concerns; the others keep what was
-	// rendered before. Their own chains' rules are handed to the writer
-	// lazily, rendered again only when written (a full sync writes them
-	// all, batch by batch), except those of the services rendered in a
-	// partial sync, which the writer compares with what it wrote.
-	next := make(map[proxy.ServicePortName]*renderedService, len(state.Services))
-	var fresh map[proxy.ServicePortName][]ipt.ChainRules
-	if full {
-		for name, st := range state.Services {
-			next[name] = r.render(st)
-		}
-	} else {
-		fresh = map[proxy.ServicePortName][]ipt.ChainRules{}
-		for name, rs := range b.services {
-			if _, ok := state.Services[name]; ok || !state.Changed.Has(name.NamespacedName) {
-				next[name] = rs
-			}
-		}
-		for name, st := range state.Services {
-			if _, known := b.services[name]; known && !state.Changed.Has(name.NamespacedName) {
-				continue
-			}
-			next[name] = r.render(st)
-			fresh[name] = r.natChains(r.layout(st), true)
-		}
+	if len(b.setAside) > 0 {
+		res.SetAside = maps.Clone(b.setAside)
 	}
-
-	if full {
-		if err := b.ensureHooks(ctx); err != nil {
-			return err
-		}
-	}
-	// Each service port's chains are one group (they jump to each other);
-	// the writer leaves out what did not change since its last write.
-	names := proxy.SortedServicePortNames(next)
-	rules := &ipt.RuleSet{Groups: make([]ipt.ChainGroup, 0, len(names))}
-	for _, name := range names {
-		if chains, ok := fresh[name]; ok {
-			rules.AddGroup(ipt.TableNAT, chains...)
-			continue
-		}
-		rs := next[name]
-		rules.AddLazyGroup(ipt.TableNAT, rs.natChains, func() []ipt.ChainRules { return r.natChains(r.layout(rs.state), true) })
-	}
-	rules.Shared = b.renderGlobal(names, next, addrs)
-	written, err := b.writer.Write(ctx, rules, full)
-	if err != nil {
-		return err
-	}
-	b.services = next
-	stats := SyncStats{
-		Full: full, WriteStats: written,
-		NATRules: b.writer.RuleCount(ipt.TableNAT), FilterRules: b.writer.RuleCount(ipt.TableFilter),
-	}
-	b.last = stats
-	logger.V(2).Info("Synced iptables rules", "family", state.Family, "full", full, "services", len(next),
-		"restores", stats.Restores, "chainsWritten", stats.ChainsWritten, "chainsDeleted", stats.ChainsDeleted,
-		"rulesWritten", stats.RulesWritten, "bytes", stats.Bytes)
-	return nil
+	return res, nil
 }
 
 func isBaseChain(table ipt.Table, chain string) bool {
@@ -319,102 +325,6 @@ func isBaseChain(table ipt.Table, chain string) bool {
 	return false
 }
 
-// renderGlobal renders the chains shared by all services from the rendered
-// services, in names order.
-func (b *Backend) renderGlobal(names []proxy.ServicePortName, services map[proxy.ServicePortName]*renderedService, addrs []netip.Addr) map[ipt.Table]map[string][]string {
-	var natSvc, natNP, filSvc, filExt []dispatchRule
-	var extNP, firewall, health []string
-	hairpin := map[netip.Addr]bool{}
-	for _, n := range names {
-		rs := services[n]
-		natSvc = append(natSvc, rs.natServices...)
-		natNP = append(natNP, rs.natNodePorts...)
-		filSvc = append(filSvc, rs.filterServices...)
-		filExt = append(filExt, rs.filterExternal...)
-		extNP = append(extNP, rs.filterExtNodePorts...)
-		firewall = append(firewall, rs.filterFirewall...)
-		health = append(health, rs.filterHealthCheck...)
-		for _, ip := range rs.hairpin {
-			hairpin[ip] = true
-		}
-	}
-
-	// Node ports are reached from the end of the service dispatch, on the
-	// selected local addresses (never loopback ones). Node ports without
-	// endpoints are rejected or dropped on every local address, as
-	// kube-proxy does, whichever addresses serve them.
-	npComment := comment("kproxy service nodeports; NOTE: this must be the last rule in this chain")
-	var npTail []string
-	if b.opts.NodePortAddresses.MatchAll() {
-		loop := "127.0.0.0/8"
-		if b.ipv6 {
-			loop = "::1/128"
-		}
-		npTail = []string{npComment + " -m addrtype --dst-type LOCAL ! -d " + loop + " -j " + chainNodePorts}
-	} else {
-		for _, a := range b.opts.NodePortAddresses.Select(addrs) {
-			npTail = append(npTail, npComment+" -d "+hostAddr(a)+" -j "+chainNodePorts)
-		}
-	}
-	extTail := []string{comment("kproxy node ports without endpoints") + " -m addrtype --dst-type LOCAL -j " + chainExternalNodePort}
-
-	nat := map[string][]string{}
-	addrTree := addrBucketer{ipv6: b.ipv6}
-	for c, r := range (dispatchTree{root: chainServices, bucketer: addrTree}).render(natSvc, npTail) {
-		nat[c] = r
-	}
-	for c, r := range (dispatchTree{root: chainNodePorts, bucketer: portBucketer{}}).render(natNP, nil) {
-		nat[c] = r
-	}
-	nat[chainMarkMasq] = []string{"-j MARK --or-mark " + b.masqMark}
-	masq := "-j MASQUERADE"
-	if b.ipt.HasRandomFully() {
-		masq += " --random-fully"
-	}
-	// Hairpin: an endpoint that reached itself through a service leaves with
-	// its own address as source and destination; masquerade it. The rules
-	// are keyed on the source address so the walk stays short.
-	hairpinIPs := make([]netip.Addr, 0, len(hairpin))
-	for ip := range hairpin {
-		hairpinIPs = append(hairpinIPs, ip)
-	}
-	sort.Slice(hairpinIPs, func(i, j int) bool { return hairpinIPs[i].Less(hairpinIPs[j]) })
-	hairpinRules := make([]dispatchRule, 0, len(hairpinIPs))
-	for _, ip := range hairpinIPs {
-		hairpinRules = append(hairpinRules, dispatchRule{addrBucket(ip), "-s " + hostAddr(ip) + " -d " + hostAddr(ip) + " " + masq})
-	}
-	for c, r := range (dispatchTree{root: chainHairpin, bucketer: addrBucketer{ipv6: b.ipv6, source: true}}).render(hairpinRules, nil) {
-		nat[c] = r
-	}
-	post := []string{comment("kproxy hairpin: endpoints reaching themselves via a service") +
-		" -m conntrack --ctstate DNAT -j " + chainHairpin}
-	post = append(post,
-		"-m mark ! --mark "+b.masqMark+"/"+b.masqMark+" -j RETURN",
-		"-j MARK --xor-mark "+b.masqMark,
-		comment("kproxy service traffic requiring SNAT")+" "+masq)
-	nat[chainPostrouting] = post
-	nat[chainCanary] = nil
-
-	filter := map[string][]string{}
-	for c, r := range (dispatchTree{root: chainServices, bucketer: addrTree}).render(filSvc, nil) {
-		filter[c] = r
-	}
-	for c, r := range (dispatchTree{root: chainExternalServices, bucketer: addrTree}).render(filExt, extTail) {
-		filter[c] = r
-	}
-	filter[chainExternalNodePort] = extNP
-	filter[chainFirewall] = firewall
-	filter[chainNodePorts] = health
-	filter[chainForward] = []string{
-		comment("kproxy: drop invalid conntrack state") + " -m conntrack --ctstate INVALID -j DROP",
-		comment("kproxy forwarding rules") + " -m mark --mark " + b.masqMark + "/" + b.masqMark + " -j ACCEPT",
-		comment("kproxy forwarding conntrack rule") + " -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
-	}
-	filter[chainLocalnetFirewall] = b.localnetFirewall()
-	filter[chainCanary] = nil
-	return map[ipt.Table]map[string][]string{ipt.TableNAT: nat, ipt.TableFilter: filter}
-}
-
 // Cleanup implements proxier.Backend with cleanup.Cleanup over iptables
 // alone: every chain of kproxy's (KPROXY-, of either mode) in nat and
 // filter, with the rules of other chains that jump to them. Chains and
@@ -423,6 +333,8 @@ func (b *Backend) Cleanup(ctx context.Context) error {
 	err := cleanup.Cleanup(ctx, cleanup.Options{IPTables: b.ipt})
 	b.initialized = false
 	b.services = map[proxy.ServicePortName]*renderedService{}
-	b.writer.Forget()
+	b.setAside = map[proxy.ServicePortName]error{}
+	b.natWriter.Forget()
+	b.filterWriter.Forget()
 	return err
 }

@@ -236,3 +236,69 @@ func BenchmarkMemory(b *testing.B) {
 		}
 	})
 }
+
+// BenchmarkFlushCheck measures, per size and iptables backend, the flush
+// check a partial sync makes at most every half canary interval (the
+// canary chains and the hooks listed, docs/design.md "Flush detection")
+// next to a one-endpoint partial sync, over the rules of the standard
+// workload in the real kernel.
+//
+//	KPROXY_BENCH_SERVICES=10000 go test -run '^$' -bench FlushCheck -benchtime 1x ./proxier/iptables/
+func BenchmarkFlushCheck(b *testing.B) {
+	netnstest.RequireRoot(b)
+	for _, n := range pt.BenchSizes() {
+		for _, variant := range []string{"nft", "legacy"} {
+			b.Run(fmt.Sprintf("services=%d/%s", n, variant), func(b *testing.B) {
+				for i := 0; i < b.N; i++ {
+					benchFlushCheck(b, n, variant)
+				}
+			})
+		}
+	}
+}
+
+func benchFlushCheck(b *testing.B, n int, variant string) {
+	ctx := context.Background()
+	ns := netnstest.New(b, "flush")
+	iface, err := ipt.New(ctx, ipt.Options{Protocol: ipt.ProtocolIPv4, NetNS: ns.Name, Variant: variant})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		if err := iface.(*ipt.Real).Close(); err != nil {
+			b.Error(err)
+		}
+	})
+	svcs, slices := pt.Workload(n)
+	rig := newBenchRig(b, iface, svcs, slices)
+	full := pt.TimedSync(b, rig.engine)
+	median := func(d []time.Duration) time.Duration {
+		sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
+		return d[len(d)/2]
+	}
+	var checks, partials []time.Duration
+	for k := 0; k < 5; k++ {
+		start := time.Now()
+		missing, err := rig.backend.flushed(ctx)
+		checks = append(checks, time.Since(start))
+		if err != nil || missing != "" {
+			b.Fatalf("flush check: %q, %v", missing, err)
+		}
+		sl := slices[n-1-k].DeepCopy()
+		sl.Endpoints[0].Addresses = []string{fmt.Sprintf("10.250.0.%d", k+1)}
+		rig.engine.OnEndpointSliceUpdate(slices[n-1-k], sl)
+		partials = append(partials, pt.TimedSync(b, rig.engine))
+	}
+	// The check of the netns wrapper's own cost: one iptables run that
+	// reads nothing.
+	start := time.Now()
+	if _, err := ns.Exec(ctx, "iptables-"+variant, "--version"); err != nil {
+		b.Fatal(err)
+	}
+	exec := time.Since(start)
+	b.ReportMetric(float64(median(checks).Microseconds())/1000, "check-ms")
+	b.ReportMetric(float64(median(partials).Microseconds())/1000, "partial-sync-ms")
+	b.ReportMetric(full.Seconds(), "full-sync-s")
+	b.Logf("n=%d %s: flush check (median of 5) %v, one-endpoint partial sync %v, full sync %v; one `ip netns exec iptables --version` %v",
+		n, variant, median(checks), median(partials), full, exec)
+}

@@ -20,7 +20,7 @@ const (
 	chainPostrouting = "KPROXY-POSTROUTING" // hairpin and mark-driven masquerade
 	chainMarkMasq    = "KPROXY-MARK-MASQ"
 	chainHairpin     = "KPROXY-HAIRPIN" // dispatch on source address: endpoints reaching themselves
-	chainCanary      = "KPROXY-CANARY"  // absent means someone flushed our rules
+	chainCanary      = "KPROXY-CANARY"  // one rule; empty or absent means someone flushed the table
 	// filter
 	chainExternalServices = "KPROXY-EXTERNAL-SERVICES" // reject/drop for external destinations
 	chainExternalNodePort = "KPROXY-EXT-NODEPORTS"     // reject/drop for node ports

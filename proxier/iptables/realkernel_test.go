@@ -14,6 +14,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	testingclock "k8s.io/utils/clock/testing"
 	"k8s.io/utils/ptr"
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
@@ -113,12 +114,28 @@ type realTopo struct {
 	ipt     ipt.Interface
 	backend *Backend
 	engine  *proxier.Engine
+	clock   *testingclock.FakeClock
+	// last is the result of the engine's last sync.
+	last proxier.SyncResult
 }
 
 // realBackends are the pods running echo servers, with their nodes.
 var realBackends = []struct{ name, node string }{{"be1", realNodeName}, {"be2", "node-b"}, {"be3", "node-c"}}
 
+// realTopoOptions varies newRealTopoWith.
+type realTopoOptions struct {
+	// variant selects the iptables binaries (ipt.Options.Variant).
+	variant string
+	// wrap, when set, wraps the node's iptables as the backend sees it.
+	wrap func(ipt.Interface) ipt.Interface
+}
+
 func newRealTopo(t *testing.T, fam realFamily) *realTopo {
+	t.Helper()
+	return newRealTopoWith(t, fam, realTopoOptions{})
+}
+
+func newRealTopoWith(t *testing.T, fam realFamily, opts realTopoOptions) *realTopo {
 	t.Helper()
 	netnstest.RequireRoot(t)
 	ctx := t.Context()
@@ -155,7 +172,7 @@ func newRealTopo(t *testing.T, fam realFamily) *realTopo {
 		}
 	}
 
-	iface, err := ipt.New(ctx, ipt.Options{Protocol: fam.protocol, NetNS: topo.node.Name})
+	iface, err := ipt.New(ctx, ipt.Options{Protocol: fam.protocol, NetNS: topo.node.Name, Variant: opts.variant})
 	if err != nil {
 		t.Fatalf("iptables in %s: %v", topo.node.Name, err)
 	}
@@ -176,15 +193,21 @@ func newRealTopo(t *testing.T, fam realFamily) *realTopo {
 		}
 	})
 	clk := pt.NewClock()
+	topo.clock = clk
+	var backendIPT ipt.Interface = iface
+	if opts.wrap != nil {
+		backendIPT = opts.wrap(iface)
+	}
 	topo.backend, err = New(Options{
-		IPTables: iface, Clock: clk,
+		IPTables: backendIPT, Clock: clk,
 		LocalAddresses: func() ([]netip.Addr, error) { return pt.NSAddresses(topo.node) },
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	topo.engine = pt.NewEngine(t, topo.backend, pt.EngineOptions{
-		Env: pt.Env{Family: fam.family, NodeName: realNodeName, ClusterCIDR: fam.clusterCIDR}, Clock: clk})
+		Env: pt.Env{Family: fam.family, NodeName: realNodeName, ClusterCIDR: fam.clusterCIDR}, Clock: clk,
+		OnSync: func(r proxier.SyncResult) { topo.last = r }})
 	return topo
 }
 

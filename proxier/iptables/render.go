@@ -42,6 +42,62 @@ type renderedService struct {
 	hairpin []netip.Addr
 }
 
+// filterRules is what one service port contributes to the filter table:
+// the verdicts for its traffic that nat did not DNAT, and its health-check
+// port. No filter rule matches a DNATed packet (they all match the
+// service's own destinations), which is what makes the order of a sync's
+// restores safe (docs/design.md, "Atomic syncs across tables").
+type filterRules struct {
+	services, external                  []dispatchRule
+	extNodePorts, firewall, healthCheck []string
+}
+
+// filter returns the port's filter contributions.
+func (rs *renderedService) filter() filterRules {
+	return filterRules{services: rs.filterServices, external: rs.filterExternal,
+		extNodePorts: rs.filterExtNodePorts, firewall: rs.filterFirewall, healthCheck: rs.filterHealthCheck}
+}
+
+// empty reports whether the port has no filter rule.
+func (f filterRules) empty() bool {
+	return len(f.services)+len(f.external)+len(f.extNodePorts)+len(f.firewall)+len(f.healthCheck) == 0
+}
+
+// subsetOf reports whether o holds every rule of f.
+func (f filterRules) subsetOf(o filterRules) bool {
+	return subset(f.services, o.services) && subset(f.external, o.external) &&
+		subset(f.extNodePorts, o.extNodePorts) && subset(f.firewall, o.firewall) &&
+		subset(f.healthCheck, o.healthCheck)
+}
+
+func subset[T comparable](a, b []T) bool {
+	for _, x := range a {
+		if !slices.Contains(b, x) {
+			return false
+		}
+	}
+	return true
+}
+
+// union is f's rules followed by those of o that f lacks.
+func (f filterRules) union(o filterRules) filterRules {
+	return filterRules{
+		services: unionOf(f.services, o.services), external: unionOf(f.external, o.external),
+		extNodePorts: unionOf(f.extNodePorts, o.extNodePorts), firewall: unionOf(f.firewall, o.firewall),
+		healthCheck: unionOf(f.healthCheck, o.healthCheck),
+	}
+}
+
+func unionOf[T comparable](a, b []T) []T {
+	out := a
+	for _, x := range b {
+		if !slices.Contains(a, x) {
+			out = append(slices.Clip(out), x)
+		}
+	}
+	return out
+}
+
 // comment is the shared comment match.
 var comment = ipt.Comment
 

@@ -34,6 +34,9 @@ type Fake struct {
 	tables       map[iptables.Table]*fakeTable
 	restoreCount int
 	lastRestore  []byte
+	// refuse and refuseAtCommit: see SetRefusal.
+	refuse         func(table iptables.Table, chain iptables.Chain, args []string) error
+	refuseAtCommit bool
 }
 
 var _ iptables.Interface = (*Fake)(nil)
@@ -326,6 +329,43 @@ func saveString(s string) string {
 	return b.String()
 }
 
+// ListRules implements Interface.
+func (f *Fake) ListRules(ctx context.Context, table iptables.Table, chains ...iptables.Chain) (map[iptables.Chain][]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.table(ctx, table)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[iptables.Chain][]string, len(chains))
+	for _, name := range chains {
+		c, ok := t.chains[name]
+		if !ok {
+			continue
+		}
+		rules := make([]string, 0, len(c.rules))
+		for _, r := range c.rules {
+			rules = append(rules, iptables.JoinArgs(r.args))
+		}
+		out[name] = rules
+	}
+	return out, nil
+}
+
+// SetRefusal makes the fake refuse, as a kernel refuses a rule it cannot
+// load (a match module it lacks, a value it rejects), every rule added by
+// Restore or EnsureRule for which refuse returns an error: the rule's table
+// is not changed. Restore blames the rule's own line, as
+// iptables-nft-restore does, or with atCommit the COMMIT line of its
+// table, as iptables-legacy-restore does (the kernel loads a table whole).
+// A nil refuse refuses nothing; refuse runs with the Fake locked and must
+// not call it.
+func (f *Fake) SetRefusal(refuse func(table iptables.Table, chain iptables.Chain, args []string) error, atCommit bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.refuse, f.refuseAtCommit = refuse, atCommit
+}
+
 // Chains lists table's chains (built-in first, then user chains sorted); nil
 // for an unknown table.
 func (f *Fake) Chains(table iptables.Table) []string {
@@ -392,6 +432,9 @@ func (e *RestoreError) Error() string {
 
 func (e *RestoreError) Unwrap() error { return e.Err }
 
+// RestoreLine is the line blamed (see iptables.FailedLine).
+func (e *RestoreError) RestoreLine() int { return e.Line }
+
 // Restore implements Interface with iptables-restore --noflush semantics.
 // Each "*table ... COMMIT" section is applied atomically when its COMMIT is
 // reached: on error nothing of that section changes, while sections
@@ -432,6 +475,9 @@ func (f *Fake) Restore(ctx context.Context, data []byte) error {
 		case line == "COMMIT":
 			if tx == nil {
 				return lineErr(n, fmt.Errorf("COMMIT outside a table"))
+			}
+			if tx.refused != nil {
+				return lineErr(n, tx.refused)
 			}
 			if err := tx.commit(); err != nil {
 				var le *RestoreError
@@ -475,6 +521,8 @@ type txn struct {
 	// graphChanged is set when a change may break the graph invariants
 	// validate checks (removing rules or flushing never does).
 	graphChanged bool
+	// refused is the first refusal (SetRefusal) to report at COMMIT.
+	refused error
 }
 
 func (f *Fake) begin(t *fakeTable) *txn {
@@ -721,6 +769,17 @@ func (tx *txn) insertRule(chain iptables.Chain, at int, args []string, line int)
 	}
 	if err := tx.checkRule(c, r); err != nil {
 		return err
+	}
+	if refuse := tx.f.refuse; refuse != nil {
+		if err := refuse(tx.t.name, chain, args); err != nil {
+			err = fmt.Errorf("refused by the kernel: %w", err)
+			if !tx.f.refuseAtCommit || line == 0 {
+				return err
+			}
+			if tx.refused == nil {
+				tx.refused = err
+			}
+		}
 	}
 	fr := &fakeRule{args: slices.Clone(args), rule: r}
 	if at < 0 {

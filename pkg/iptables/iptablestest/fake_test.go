@@ -444,3 +444,43 @@ func FuzzRestore(f *testing.F) {
 		}
 	})
 }
+
+// TestFakeRefusal: rules refused by SetRefusal fail their table as the
+// kernel does, blamed on their own line or, with atCommit, on the table's
+// COMMIT; tables committed before stay; EnsureRule is refused too.
+func TestFakeRefusal(t *testing.T) {
+	input := restoreText("*nat", ":A - [0:0]", "-A A -j RETURN", "COMMIT",
+		"*filter", ":B - [0:0]", "-A B -s 10.0.0.9/32 -j RETURN", "-A B -j RETURN", "COMMIT")
+	for _, tc := range []struct {
+		name     string
+		atCommit bool
+		wantLine int
+	}{
+		{name: "the rule's line", wantLine: 7},
+		{name: "the COMMIT line", atCommit: true, wantLine: 9},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := NewFake(iptables.ProtocolIPv4)
+			f.SetRefusal(func(table iptables.Table, chain iptables.Chain, args []string) error {
+				if table == iptables.TableFilter && slices.Contains(args, "10.0.0.9/32") {
+					return errors.New("no")
+				}
+				return nil
+			}, tc.atCommit)
+			err := f.Restore(context.Background(), input)
+			if line, ok := iptables.FailedLine(err); !ok || line != tc.wantLine || !iptables.Refused(err) {
+				t.Fatalf("Restore: %v; line %d, %v; want %d", err, line, ok, tc.wantLine)
+			}
+			if f.Rules(iptables.TableNAT, "A") == nil || f.Rules(iptables.TableFilter, "B") != nil {
+				t.Errorf("want nat committed and filter unchanged")
+			}
+			if _, err := f.EnsureRule(context.Background(), iptables.Append, iptables.TableFilter, iptables.ChainInput, "-s", "10.0.0.9/32", "-j", "DROP"); err == nil {
+				t.Error("EnsureRule of a refused rule succeeded")
+			}
+			f.SetRefusal(nil, false)
+			if err := f.Restore(context.Background(), input); err != nil {
+				t.Errorf("Restore after the refusal was lifted: %v", err)
+			}
+		})
+	}
+}
