@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"net/netip"
 	"os"
 	"os/signal"
@@ -196,6 +197,12 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		// Protobuf by default, as kube-proxy: at 10,000 Services the
 		// initial lists decode with about half the garbage of JSON.
 		restCfg.ContentType = o.KubeAPIContentType
+		// The informers' lists and watches wait for an API server that is
+		// down or starting instead of backing off up to 30 s after it
+		// returns (config.NewRetryingTransport).
+		restCfg.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+			return config.NewRetryingTransport(rt, config.RetryOptions{Logger: klog.FromContext(ctx)})
+		})
 		if client, err = kubernetes.NewForConfig(restCfg); err != nil {
 			return fmt.Errorf("building API client: %w", err)
 		}
