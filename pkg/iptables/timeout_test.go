@@ -4,17 +4,16 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kproxy/kproxy/pkg/deadline"
+	"github.com/kproxy/kproxy/pkg/deadline/deadlinetest"
 	"github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/netnstest"
 )
@@ -30,16 +29,8 @@ const slack = 3 * time.Second
 func hungBinaries(t *testing.T) (dir, pids string) {
 	t.Helper()
 	dir = t.TempDir()
-	pids = filepath.Join(dir, "pids")
-	if err := os.Mkdir(pids, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	hang := fmt.Sprintf(`echo $$ > %[1]s/$$
-/bin/sleep 100000 &
-echo $! > %[1]s/$!
-echo "Another app is currently holding the xtables lock; still waiting" >&2
-wait
-`, pids)
+	pids = deadlinetest.PidDir(t)
+	hang := deadlinetest.HangScript(pids, "Another app is currently holding the xtables lock; still waiting")
 	scripts := map[string]string{
 		"iptables":         "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'iptables v1.8.9 (legacy)'; exit 0; fi\n" + hang,
 		"iptables-restore": "#!/bin/sh\n" + hang,
@@ -53,39 +44,13 @@ wait
 	return dir, pids
 }
 
-// running lists the pids recorded under dir that still run (zombies, which
-// only wait for init to reap them, do not count).
-func running(t *testing.T, dir string) []int {
-	t.Helper()
-	entries, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			continue
-		}
-		if i := bytes.LastIndexByte(stat, ')'); i > 0 && i+2 < len(stat) && stat[i+2] == 'Z' {
-			continue
-		}
-		out = append(out, pid)
-	}
-	return out
-}
-
 // waitGone waits until no recorded process runs; it kills the ones left
 // at the end (so that a failing test leaves nothing behind) and fails.
 func waitGone(t *testing.T, dir string, within time.Duration) {
 	t.Helper()
 	end := time.Now().Add(within)
 	for {
-		left := running(t, dir)
+		left := deadlinetest.Running(t, dir)
 		if len(left) == 0 {
 			return
 		}

@@ -1,13 +1,11 @@
 package nftables
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -16,6 +14,7 @@ import (
 	"sigs.k8s.io/knftables"
 
 	"github.com/kproxy/kproxy/pkg/deadline"
+	"github.com/kproxy/kproxy/pkg/deadline/deadlinetest"
 )
 
 // hungNFT writes an nft that hangs without reading its input: it records
@@ -23,49 +22,12 @@ import (
 // forever.
 func hungNFT(t *testing.T) (path, pids string) {
 	t.Helper()
-	dir := t.TempDir()
-	pids = filepath.Join(dir, "pids")
-	if err := os.Mkdir(pids, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	path = filepath.Join(dir, "nft")
-	script := fmt.Sprintf(`#!/bin/sh
-echo $$ > %[1]s/$$
-/bin/sleep 100000 &
-echo $! > %[1]s/$!
-echo "netlink: waiting" >&2
-wait
-`, pids)
-	if err := os.WriteFile(path, []byte(script), 0o755); err != nil {
+	pids = deadlinetest.PidDir(t)
+	path = filepath.Join(t.TempDir(), "nft")
+	if err := os.WriteFile(path, []byte("#!/bin/sh\n"+deadlinetest.HangScript(pids, "netlink: waiting")), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	return path, pids
-}
-
-// runningPids lists the pids recorded in dir that still run (zombies,
-// waiting for init to reap them, do not count).
-func runningPids(t *testing.T, dir string) []int {
-	t.Helper()
-	entries, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			continue
-		}
-		if i := bytes.LastIndexByte(stat, ')'); i > 0 && i+2 < len(stat) && stat[i+2] == 'Z' {
-			continue
-		}
-		out = append(out, pid)
-	}
-	return out
 }
 
 // TestExecNFTHungTimesOut runs transactions into an nft that hangs: Run
@@ -116,7 +78,7 @@ func TestExecNFTHungTimesOut(t *testing.T) {
 			elapsed := time.Since(start)
 			defer func() {
 				for end := time.Now().Add(3 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-					left := runningPids(t, pids)
+					left := deadlinetest.Running(t, pids)
 					if len(left) == 0 {
 						return
 					}
