@@ -469,6 +469,9 @@ func (e *Engine) syncLocked(ctx context.Context) (result SyncResult, ran bool) {
 		}
 		result.SetAside = e.noteSetAside(backendResult.SetAside, changed, full || backendResult.Full)
 		e.cleanStaleConntrack(ctx)
+		if full || backendResult.Full {
+			e.cleanBlackHoledConntrack(ctx)
+		}
 		e.logger.V(2).Info("Synced", "full", full, "servicePorts", len(state.Services), "changedServices", changed.Len(),
 			"setAside", len(result.SetAside), "duration", result.Duration)
 	}

@@ -131,3 +131,17 @@ func (e *Engine) cleanStaleConntrack(ctx context.Context) {
 		e.logger.Error(err, "Failed to delete stale UDP conntrack entries")
 	}
 }
+
+// cleanBlackHoledConntrack deletes, after a successful full sync, the
+// flows to service addresses that began while their rules were missing and
+// went nowhere (conntrack.BlackHoledFilters): a full sync follows every
+// gap (kproxy's start, a repaired flush, a recovered failure). A failure
+// is logged, never fails the sync. Called with e.mu held.
+func (e *Engine) cleanBlackHoledConntrack(ctx context.Context) {
+	if e.opts.Conntrack == nil {
+		return
+	}
+	if _, err := conntrack.CleanBlackHoled(ctx, e.opts.Conntrack, e.opts.Family, e.svcPortMap); err != nil {
+		e.logger.Error(err, "Failed to delete black-holed conntrack entries")
+	}
+}

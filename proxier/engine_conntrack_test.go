@@ -44,6 +44,15 @@ var engineFlows = map[string]conntrack.Flow{
 	"syslog black-holed":          ctFlow("10.244.1.9:40004", "10.96.0.54:53", "10.96.0.54:53"),
 	"syslog NodePort black-holed": ctFlow("203.0.113.7:40006", "10.0.0.1:30054", "10.0.0.1:30054"),
 	"tcpdns (as UDP) to ep1":      ctFlow("10.244.1.9:40005", "10.96.0.55:53", "10.244.2.5:5353"),
+	"tcpdns black-holed":          tcpFlow(conntrack.TCPStateSynSent, "10.244.1.9:40007", "10.96.0.55:53", "10.96.0.55:53"),
+	"tcpdns handshake to ep1":     tcpFlow(conntrack.TCPStateSynSent, "10.244.1.9:40008", "10.96.0.55:53", "10.244.2.5:5353"),
+}
+
+// tcpFlow is a TCP flow in state.
+func tcpFlow(state uint8, src, dst, replySrc string) conntrack.Flow {
+	f := ctFlow(src, dst, replySrc)
+	f.Protocol, f.TCPState = v1.ProtocolTCP, state
+	return f
 }
 
 var (
@@ -70,7 +79,10 @@ func TestEngineConntrackCleanup(t *testing.T) {
 		failFirst    bool
 		afterFailure func(e *proxier.Engine)
 		// failClear makes the conntrack table refuse the first deletion.
-		failClear   bool
+		failClear bool
+		// repair makes the backend rewrite everything in the sync after
+		// change (it found its rules flushed).
+		repair      bool
 		wantDeleted []string
 	}{
 		{
@@ -144,8 +156,10 @@ func TestEngineConntrackCleanup(t *testing.T) {
 			change: func(e *proxier.Engine) {
 				e.OnEndpointSliceUpdate(nil, udpSlice("dns", v1.ProtocolUDP, ep2))
 			},
-			failFirst:   true,
-			wantDeleted: []string{"dns NodePort to ep1", "dns to ep1"},
+			failFirst: true,
+			// The sync after a failure is full: the flows black-holed
+			// meanwhile go too.
+			wantDeleted: []string{"dns NodePort to ep1", "dns to ep1", "syslog black-holed", "tcpdns black-holed"},
 		},
 		{
 			name: "failed sync: an endpoint removed, then back and serving, keeps its flows",
@@ -156,6 +170,13 @@ func TestEngineConntrackCleanup(t *testing.T) {
 			afterFailure: func(e *proxier.Engine) {
 				e.OnEndpointSliceUpdate(nil, udpSlice("dns", v1.ProtocolUDP, ep1Terminating, ep2))
 			},
+			wantDeleted: []string{"syslog black-holed", "tcpdns black-holed"},
+		},
+		{
+			name:        "the backend repairs its flushed rules: the flows black-holed meanwhile, TCP and UDP",
+			change:      func(*proxier.Engine) {},
+			repair:      true,
+			wantDeleted: []string{"syslog black-holed", "tcpdns black-holed"},
 		},
 		{
 			name: "conntrack failure is logged, the sync succeeds",
@@ -196,6 +217,11 @@ func TestEngineConntrackCleanup(t *testing.T) {
 				if tc.afterFailure != nil {
 					tc.afterFailure(h.engine)
 				}
+			}
+			if tc.repair {
+				h.backend.mu.Lock()
+				h.backend.repairNext = true
+				h.backend.mu.Unlock()
 			}
 			if tc.failClear {
 				ct.FailNextClear(errors.New("netlink: operation not permitted"))

@@ -72,6 +72,9 @@ type fakeBackend struct {
 	refuse map[string]error
 	// panicNext, when set, is what the next Sync panics with.
 	panicNext any
+	// repairNext makes the next successful Sync report Full, as a
+	// backend that found its rules flushed and rewrote them all.
+	repairNext bool
 }
 
 var _ proxier.Backend = (*fakeBackend)(nil)
@@ -116,6 +119,7 @@ func (b *fakeBackend) Sync(ctx context.Context, state *proxy.NodeState, full boo
 		return proxy.BackendResult{}, err
 	}
 	var result proxy.BackendResult
+	result.Full, b.repairNext = b.repairNext && !full, false
 	// refused reports whether the kernel refuses the port called name,
 	// noting it in the result.
 	refused := func(name proxy.ServicePortName) bool {

@@ -228,3 +228,46 @@ func CleanStaleEntries(ctx context.Context, ct Interface, family v1.IPFamily, cu
 	logger.V(2).Info("Deleted stale UDP conntrack entries", "ipFamily", family, "filters", len(filters), "deleted", n)
 	return n, nil
 }
+
+// BlackHoledFilters selects, for every service port of services, the
+// flows to its addresses (ClusterIP, external IPs, load-balancer IPs, of
+// family) that were never DNATed and, for TCP, never answered: they began
+// while the node had no rule for the address (kproxy not yet running, a
+// flush not yet repaired, a refused service) and went nowhere. Their
+// entries outlive the gap (120 s for an unanswered TCP SYN, 30 s for UDP),
+// and a client that picks the same source port again meanwhile follows
+// the entry instead of the rules: its connection fails although the
+// service works. Node ports are left out: traffic to a node port without
+// a rule reaches the node itself and is refused at once, and a flow to the
+// same port on some other host is not kproxy's.
+func BlackHoledFilters(services proxy.ServicePortMap, family v1.IPFamily) []Filter {
+	var out []Filter
+	for _, sp := range services {
+		for _, ip := range serviceIPs(sp) {
+			if !ip.IsValid() || familyOf(ip) != family || sp.Port <= 0 || sp.Port > 65535 {
+				continue
+			}
+			out = append(out, Filter{Protocol: sp.Protocol, OrigDstIP: ip.Unmap(), OrigDstPort: uint16(sp.Port), BlackHoled: true})
+		}
+	}
+	return out
+}
+
+// CleanBlackHoled deletes the black-holed flows of family to the addresses
+// of services (BlackHoledFilters) and returns how many it deleted. Call it
+// after a sync that put every rule in place (a full sync): flows made in a
+// gap that such a sync closed are then dead for good.
+func CleanBlackHoled(ctx context.Context, ct Interface, family v1.IPFamily, services proxy.ServicePortMap) (int, error) {
+	filters := BlackHoledFilters(services, family)
+	if len(filters) == 0 {
+		return 0, nil
+	}
+	n, err := ct.ClearEntries(ctx, family, filters...)
+	if err != nil {
+		return n, fmt.Errorf("clearing black-holed conntrack entries: %w", err)
+	}
+	if n > 0 {
+		klog.FromContext(ctx).V(2).Info("Deleted black-holed conntrack entries (never DNATed, unanswered)", "ipFamily", family, "deleted", n)
+	}
+	return n, nil
+}

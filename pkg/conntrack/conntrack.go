@@ -23,6 +23,10 @@
 //   - a deleted UDP ClusterIP that no UDP service port uses any more: every
 //     UDP entry whose original destination is that IP.
 //
+// After a full sync it also deletes black-holed flows of every protocol
+// (BlackHoledFilters): entries to a service address that were never DNATed
+// and never answered, left by a gap in the rules.
+//
 // Interface is implemented over netlink (Real) and by an in-memory table
 // (Fake). Sysctl and ConfigureSysctls set nf_conntrack_max and the
 // timeouts at start-up.
@@ -60,6 +64,19 @@ type Flow struct {
 	Protocol v1.Protocol
 	Original Tuple
 	Reply    Tuple
+	// TCPState is the kernel's state of a TCP flow (TCPStateSynSent and
+	// the others of enum tcp_conntrack); 0 when unknown or not TCP.
+	TCPState uint8
+}
+
+// TCPStateSynSent is conntrack's state of a TCP flow whose first SYN got
+// no answer yet (TCP_CONNTRACK_SYN_SENT).
+const TCPStateSynSent = 1
+
+// notNATed reports whether the flow's replies come from the address it was
+// sent to: no DNAT was applied when it began.
+func (f Flow) notNATed() bool {
+	return f.Reply.Src.Addr().Unmap() == f.Original.Dst.Addr().Unmap() && f.Reply.Src.Port() == f.Original.Dst.Port()
 }
 
 // Family is the flow's IP family, from its original source address.
@@ -81,6 +98,12 @@ type Filter struct {
 	OrigDstPort  uint16
 	ReplySrcIP   netip.Addr
 	ReplySrcPort uint16
+	// BlackHoled restricts the filter to flows that were never DNATed
+	// (their reply source is their original destination) and, for TCP,
+	// never answered (SYN_SENT): traffic that reached a service address
+	// while no rule for it was in place (docs/design.md, "Black-holed
+	// flows").
+	BlackHoled bool
 }
 
 // Matches reports whether fl is selected by f.
@@ -103,6 +126,9 @@ func (f Filter) Matches(fl Flow) bool {
 	if f.ReplySrcPort != 0 && fl.Reply.Src.Port() != f.ReplySrcPort {
 		return false
 	}
+	if f.BlackHoled && (!fl.notNATed() || fl.Protocol == v1.ProtocolTCP && fl.TCPState != TCPStateSynSent) {
+		return false
+	}
 	return true
 }
 
@@ -121,6 +147,9 @@ func (f Filter) String() string {
 	if f.ReplySrcPort != 0 {
 		parts = append(parts, fmt.Sprintf("--reply-port-src %d", f.ReplySrcPort))
 	}
+	if f.BlackHoled {
+		parts = append(parts, "(not DNATed, unanswered)")
+	}
 	return strings.Join(parts, " ")
 }
 
@@ -131,9 +160,42 @@ func familyOf(a netip.Addr) v1.IPFamily {
 	return v1.IPv6Protocol
 }
 
-// anyMatch reports whether one of filters matches fl.
-func anyMatch(filters []Filter, fl Flow) bool {
+// dstKey is a filter's or a flow's protocol and original destination.
+type dstKey struct {
+	protocol v1.Protocol
+	ip       netip.Addr
+	port     uint16
+}
+
+// filterSet matches flows against many filters: those naming an original
+// destination address and port are found by a map lookup (a full sync's
+// cleanup has one per service address), the others are tried in turn.
+type filterSet struct {
+	byDst map[dstKey][]Filter
+	rest  []Filter
+}
+
+func newFilterSet(filters []Filter) filterSet {
+	fs := filterSet{byDst: map[dstKey][]Filter{}}
 	for _, f := range filters {
+		if f.OrigDstIP.IsValid() && f.OrigDstPort != 0 {
+			k := dstKey{f.Protocol, f.OrigDstIP.Unmap(), f.OrigDstPort}
+			fs.byDst[k] = append(fs.byDst[k], f)
+			continue
+		}
+		fs.rest = append(fs.rest, f)
+	}
+	return fs
+}
+
+// matches reports whether one of the filters matches fl.
+func (fs filterSet) matches(fl Flow) bool {
+	for _, f := range fs.byDst[dstKey{fl.Protocol, fl.Original.Dst.Addr().Unmap(), fl.Original.Dst.Port()}] {
+		if f.Matches(fl) {
+			return true
+		}
+	}
+	for _, f := range fs.rest {
 		if f.Matches(fl) {
 			return true
 		}

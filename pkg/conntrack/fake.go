@@ -78,8 +78,9 @@ func (f *Fake) ClearEntries(ctx context.Context, family v1.IPFamily, filters ...
 		return 0, err
 	}
 	before := len(f.flows)
+	fs := newFilterSet(filters)
 	f.flows = slices.DeleteFunc(f.flows, func(fl Flow) bool {
-		return fl.Family() == family && anyMatch(filters, fl)
+		return fl.Family() == family && fs.matches(fl)
 	})
 	return before - len(f.flows), nil
 }

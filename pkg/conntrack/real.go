@@ -169,7 +169,7 @@ func (r *Real) ClearEntries(ctx context.Context, family v1.IPFamily, filters ...
 		defer r.mu.Unlock()
 		var n uint
 		_, err := netlink.RetryDump(ctx, op, func() (struct{}, error) {
-			deleted, err := r.h.ConntrackDeleteFilters(vnl.ConntrackTable, fam, netlinkFilter(filters))
+			deleted, err := r.h.ConntrackDeleteFilters(vnl.ConntrackTable, fam, netlinkFilter{newFilterSet(filters)})
 			n += deleted
 			return struct{}{}, err
 		})
@@ -188,18 +188,22 @@ func (r *Real) ClearEntries(ctx context.Context, family v1.IPFamily, filters ...
 
 // netlinkFilter adapts filters to the netlink library: a flow matches when
 // any filter does.
-type netlinkFilter []Filter
+type netlinkFilter struct{ set filterSet }
 
 func (fs netlinkFilter) MatchConntrackFlow(flow *vnl.ConntrackFlow) bool {
-	return anyMatch(fs, flowFromNetlink(flow))
+	return fs.set.matches(flowFromNetlink(flow))
 }
 
 func flowFromNetlink(f *vnl.ConntrackFlow) Flow {
-	return Flow{
+	fl := Flow{
 		Protocol: protocolFromNumber(f.Forward.Protocol),
 		Original: tupleFromNetlink(f.Forward),
 		Reply:    tupleFromNetlink(f.Reverse),
 	}
+	if tcp, ok := f.ProtoInfo.(*vnl.ProtoInfoTCP); ok && tcp != nil {
+		fl.TCPState = tcp.State
+	}
+	return fl
 }
 
 func tupleFromNetlink(t vnl.IPTuple) Tuple {

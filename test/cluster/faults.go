@@ -209,6 +209,12 @@ func (c *Cluster) StartScratchKproxy(ctx context.Context, node string, extraArgs
 	l := c.kproxyLaunch(i, extraArgs)
 	l.Name, l.NetNS = "kproxy-scratch/"+node, ScratchNetNS
 	l.Log = c.l.logFile(l.Name)
+	// Logs are appended to; a scratch kproxy's log starts empty, so that a
+	// sync logged by an earlier one (another mode's round) is not taken
+	// for this one's.
+	if err := os.Remove(l.Log); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, errors.Join(fmt.Errorf("removing the old scratch kproxy log: %w", err), removeScratchNetNS(context.WithoutCancel(ctx)))
+	}
 	p, err := start(ctx, l)
 	if err != nil {
 		return nil, errors.Join(err, removeScratchNetNS(context.WithoutCancel(ctx)))

@@ -102,7 +102,7 @@
 //
 //	KPROXY_E2E_MODES  the rounds' modes, in order (default "iptables nftables")
 //	KPROXY_E2E_FAULTS TestFaults' scenarios (space-separated names, or "all";
-//	                  default "apiserver-outage flush", see defaultFaults)
+//	                  default "all", see defaultFaults)
 //	KPC_BIN_DIR       the cluster's programs (default: build them)
 //	KPC_E2E_STATE_DIR the cluster's state directory (default /run/kpc-e2e)
 //	KPC_E2E_LOGS      a directory to copy the cluster's logs into when the suite fails
