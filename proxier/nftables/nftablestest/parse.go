@@ -80,7 +80,7 @@ func eachKey(e expr, w world, f func(k []string) ([]branch, error)) ([]branch, e
 // eachMapValue is eachKey over the values the keys find in the map set
 // (stmt names the statement in the error when set is not a map); a key the
 // map lacks ends the rule (the next one is tried).
-func (t *tracer) eachMapValue(e expr, w world, set, stmt string, f func(val []string) ([]branch, error)) ([]branch, error) {
+func (t *tracer) eachMapValue(e expr, w world, set, stmt string, f func(w world, val []string) ([]branch, error)) ([]branch, error) {
 	keys, ok := e.values(w)
 	if !ok {
 		return []branch{{w: w}}, nil
@@ -93,11 +93,20 @@ func (t *tracer) eachMapValue(e expr, w world, set, stmt string, f func(val []st
 		return nil, fmt.Errorf("%s set %s", stmt, set)
 	}
 	return joinBranches(keys, func(k []string) ([]branch, error) {
-		val, hit := s.lookup(k)
+		el, hit := s.lookup(k)
 		if !hit {
 			return []branch{{w: w}}, nil
 		}
-		return f(val)
+		hw := w
+		if t.opts.RecordPath {
+			hw = t.record(hw, nil)
+			step := Step{Map: set, Key: k, Value: el.Value}
+			if el.Comment != nil {
+				step.Comment = *el.Comment
+			}
+			hw = t.record(hw, &step)
+		}
+		return f(hw, el.Value)
 	})
 }
 
@@ -148,7 +157,7 @@ type vmap struct {
 }
 
 func (v *vmap) eval(t *tracer, w world, depth int) ([]branch, error) {
-	return t.eachMapValue(v.e, w, v.set, "vmap on", func(val []string) ([]branch, error) {
+	return t.eachMapValue(v.e, w, v.set, "vmap on", func(w world, val []string) ([]branch, error) {
 		if len(val) != 1 {
 			return nil, fmt.Errorf("verdict map %s has value %q", v.set, val)
 		}
@@ -170,7 +179,7 @@ type dnat struct {
 }
 
 func (d *dnat) eval(t *tracer, w world, _ int) ([]branch, error) {
-	return t.eachMapValue(d.e, w, d.set, "dnat through", func(val []string) ([]branch, error) {
+	return t.eachMapValue(d.e, w, d.set, "dnat through", func(w world, val []string) ([]branch, error) {
 		if len(val) != 2 {
 			return nil, fmt.Errorf("dnat map %s has value %q", d.set, val)
 		}
@@ -190,7 +199,8 @@ func (d *dnat) eval(t *tracer, w world, _ int) ([]branch, error) {
 
 type masquerade struct{}
 
-func (masquerade) eval(_ *tracer, w world, _ int) ([]branch, error) {
+func (masquerade) eval(t *tracer, w world, _ int) ([]branch, error) {
+	w = t.record(w, nil)
 	w.masq = true
 	return []branch{{w: w, verdict: "accept"}}, nil
 }
@@ -201,7 +211,8 @@ type markSet struct {
 	bits uint32
 }
 
-func (m *markSet) eval(_ *tracer, w world, _ int) ([]branch, error) {
+func (m *markSet) eval(t *tracer, w world, _ int) ([]branch, error) {
+	w = t.record(w, nil)
 	if m.op == "|" {
 		w.mark |= m.bits
 	} else {

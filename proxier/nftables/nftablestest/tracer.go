@@ -38,6 +38,23 @@ type Options struct {
 	// a real kernel), by set name: each entry a key as the table writes
 	// it, components joined by " . ".
 	Sets map[string][]string
+	// RecordPath fills Outcome.Path. Outcomes that differ only in their
+	// path are then reported separately.
+	RecordPath bool
+}
+
+// Step is one rule a traced packet matched (a rule that acted on it), or
+// one element a rule found for it in a map, in the order met.
+type Step struct {
+	// Chain and Rule (1-based) locate the rule; Text is the rule.
+	Chain string
+	Rule  int
+	Text  string
+	// Map is set for an element found in that map: its key, value and
+	// comment.
+	Map        string
+	Key, Value []string
+	Comment    string
 }
 
 // Outcome is one way the packet can end.
@@ -52,6 +69,8 @@ type Outcome struct {
 	// Updates are the dynamic set entries the packet added or refreshed,
 	// "set { key }", sorted.
 	Updates string
+	// Path is what the packet met, with Options.RecordPath.
+	Path []Step
 }
 
 // maxDepth bounds jumps (a loop in the ruleset).
@@ -134,14 +153,21 @@ func Trace(fake *knftables.Fake, p Packet, opts Options) ([]Outcome, error) {
 		done = append(done, result{w: w, verdict: "accept"})
 	}
 	var outs []Outcome
-	seen := map[Outcome]bool{}
+	type outcomeKey struct {
+		verdict, dnat, updates string
+		masq                   bool
+		mark                   uint32
+		path                   int
+	}
+	seen := map[outcomeKey]bool{}
 	for _, r := range done {
 		o := Outcome{Verdict: r.verdict, Masquerade: r.w.masq, Mark: r.w.mark, Updates: r.w.updates}
 		if r.w.dnatted {
 			o.DNAT = netip.AddrPortFrom(r.w.dst, uint16(r.w.dport)).String()
 		}
-		if !seen[o] {
-			seen[o] = true
+		if k := (outcomeKey{o.Verdict, o.DNAT, o.Updates, o.Masquerade, o.Mark, r.w.path}); !seen[k] {
+			seen[k] = true
+			o.Path = t.path(r.w.path)
 			outs = append(outs, o)
 		}
 	}
@@ -155,6 +181,45 @@ type tracer struct {
 	opts   Options
 	parsed map[*knftables.Rule][]stmt
 	index  map[string]*setIndex
+	// steps hold the recorded paths (Options.RecordPath) as linked lists:
+	// world.path is the index of its last step plus one (0: none).
+	steps []pathNode
+	// cur is the rule being evaluated, and occ counts rule evaluations
+	// (so that a rule acting twice is recorded once).
+	cur Step
+	occ int
+}
+
+type pathNode struct {
+	parent int
+	occ    int
+	step   Step
+}
+
+// record appends s (the current rule when s is nil) to w's path.
+func (t *tracer) record(w world, s *Step) world {
+	if !t.opts.RecordPath {
+		return w
+	}
+	if s == nil {
+		if w.path > 0 && t.steps[w.path-1].occ == t.occ {
+			return w
+		}
+		s = &t.cur
+	}
+	t.steps = append(t.steps, pathNode{parent: w.path, occ: t.occ, step: *s})
+	w.path = len(t.steps)
+	return w
+}
+
+// path lists the steps ending at p, first first.
+func (t *tracer) path(p int) []Step {
+	var out []Step
+	for ; p > 0; p = t.steps[p-1].parent {
+		out = append(out, t.steps[p-1].step)
+	}
+	slices.Reverse(out)
+	return out
 }
 
 // world is the packet and what happened to it; comparable, so that
@@ -167,6 +232,7 @@ type world struct {
 	dnatted      bool
 	masq         bool
 	updates      string
+	path         int // see tracer.steps
 }
 
 // result is a world that left a chain: verdict "" means it returned.
@@ -285,6 +351,8 @@ func (t *tracer) chain(w world, name string, depth int) ([]result, error) {
 		}
 		var next []world
 		for _, w := range worlds {
+			t.occ++
+			t.cur = Step{Chain: name, Rule: i + 1, Text: r.Rule}
 			steps, err := t.stmts(w, stmts, depth)
 			if err != nil {
 				return nil, fmt.Errorf("chain %s rule %d %q: %w", name, i+1, r.Rule, err)
@@ -348,6 +416,7 @@ type branch struct {
 
 // verdict applies a verdict statement: jumps and gotos run their chain.
 func (t *tracer) verdict(w world, v string, depth int) ([]branch, error) {
+	w = t.record(w, nil)
 	f := strings.Fields(v)
 	switch {
 	case len(f) == 1 && (f[0] == "accept" || f[0] == "drop" || f[0] == "reject" || f[0] == "return" || f[0] == "continue"):
@@ -375,7 +444,7 @@ func (t *tracer) verdict(w world, v string, depth int) ([]branch, error) {
 
 // setIndex is a set or map ready for lookups.
 type setIndex struct {
-	exact map[string][]string // joined key -> value
+	exact map[string]*knftables.Element // by joined key
 	// ranged holds elements with a prefix in their key.
 	ranged []*knftables.Element
 	isMap  bool
@@ -385,7 +454,7 @@ func (t *tracer) set(name string) (*setIndex, error) {
 	if s, ok := t.index[name]; ok {
 		return s, nil
 	}
-	s := &setIndex{exact: map[string][]string{}}
+	s := &setIndex{exact: map[string]*knftables.Element{}}
 	var elems []*knftables.Element
 	if fs, ok := t.table.Sets[name]; ok {
 		elems = fs.Elements
@@ -404,16 +473,16 @@ func (t *tracer) set(name string) (*setIndex, error) {
 			s.ranged = append(s.ranged, e)
 			continue
 		}
-		s.exact[strings.Join(e.Key, " . ")] = e.Value
+		s.exact[strings.Join(e.Key, " . ")] = e
 	}
 	t.index[name] = s
 	return s, nil
 }
 
 // lookup finds key in a set or map.
-func (s *setIndex) lookup(key []string) ([]string, bool) {
-	if v, ok := s.exact[strings.Join(key, " . ")]; ok {
-		return v, true
+func (s *setIndex) lookup(key []string) (*knftables.Element, bool) {
+	if e, ok := s.exact[strings.Join(key, " . ")]; ok {
+		return e, true
 	}
 	for _, e := range s.ranged {
 		if len(e.Key) != len(key) {
@@ -427,7 +496,7 @@ func (s *setIndex) lookup(key []string) ([]string, bool) {
 			}
 		}
 		if match {
-			return e.Value, true
+			return e, true
 		}
 	}
 	return nil, false
