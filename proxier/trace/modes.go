@@ -30,8 +30,8 @@ var (
 	secondsFlag     = regexp.MustCompile(`--seconds ([0-9]+)`)
 	// numgenMod: a random slot (in a map key) or, followed by "== 0", a
 	// random choice of one rule.
-	numgenMod = regexp.MustCompile(`numgen random mod ([0-9]+)( == 0)?`)
-	affinityChain   = regexp.MustCompile(`-aff([0-9]+)\b`)
+	numgenMod     = regexp.MustCompile(`numgen random mod ([0-9]+)( == 0)?`)
+	affinityChain = regexp.MustCompile(`-aff([0-9]+)\b`)
 )
 
 // traceIPTables walks the iptables state for r.

@@ -90,6 +90,7 @@ topology-aware routing.`,
 		},
 	}
 	o.AddFlags(cmd.Flags())
+	cmd.AddCommand(newTraceCommand(stdout, nil))
 	klogFlags := goFlagSet()
 	cmd.Flags().AddGoFlagSet(klogFlags)
 	return cmd
