@@ -2,9 +2,13 @@ package trace
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os/exec"
+	"path/filepath"
+	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -39,11 +43,11 @@ var realCases = []string{
 	"IPv6 clusterIP and node port",
 }
 
-func runRealCases(t *testing.T, rk pt.RealKernel) {
+func runRealCases(t *testing.T, names []string, rk pt.RealKernel) {
 	netnstest.RequireRoot(t)
 	n := 0
 	for _, c := range pt.Cases() {
-		if !slices.Contains(realCases, c.Name) {
+		if !slices.Contains(names, c.Name) {
 			continue
 		}
 		n++
@@ -55,15 +59,21 @@ func runRealCases(t *testing.T, rk pt.RealKernel) {
 			})
 		})
 	}
-	if n != len(realCases) {
-		t.Fatalf("found %d of the %d cases by name", n, len(realCases))
+	if n != len(names) {
+		t.Fatalf("found %d of the %d cases by name", n, len(names))
 	}
 }
 
 // TestRealKernelIPTables: iptables mode, traced over iptables-save in the
 // node namespace.
 func TestRealKernelIPTables(t *testing.T) {
-	runRealCases(t, pt.RealKernel{
+	runRealCases(t, realCases, realIPTablesKernel(""))
+}
+
+// realIPTablesKernel runs iptables mode; with binary, every flow is also
+// traced by that kproxy binary run in the node namespace.
+func realIPTablesKernel(binary string) pt.RealKernel {
+	return pt.RealKernel{
 		NSPrefix: "tri",
 		CheckKernel: func(ctx context.Context, node *netnstest.NS, family v1.IPFamily) error {
 			cmd := "iptables"
@@ -90,9 +100,9 @@ func TestRealKernelIPTables(t *testing.T) {
 				t.Fatal(err)
 			}
 			src := Source{IPTables: map[v1.IPFamily]ipt.Interface{node.Env.Family: open()}, LocalAddresses: node.LocalAddresses}
-			return b, &reportTracer{t: t, src: src, check: checkReason(t)}
+			return b, &reportTracer{t: t, src: src, check: checkBoth(t, node.NS, binary)}
 		},
-	})
+	}
 }
 
 // TestRealKernelNFTables: nftables mode, traced over `nft list table` in
@@ -101,7 +111,13 @@ func TestRealKernelNFTables(t *testing.T) {
 	if _, err := exec.LookPath("nft"); err != nil {
 		t.Skip("nft not installed")
 	}
-	runRealCases(t, pt.RealKernel{
+	runRealCases(t, realCases, realNFTablesKernel(""))
+}
+
+// realNFTablesKernel runs nftables mode; with binary, every flow is also
+// traced by that kproxy binary run in the node namespace.
+func realNFTablesKernel(binary string) pt.RealKernel {
+	return pt.RealKernel{
 		NSPrefix: "trn",
 		CheckKernel: func(ctx context.Context, node *netnstest.NS, _ v1.IPFamily) error {
 			_, err := node.Exec(ctx, "nft", "list", "ruleset")
@@ -137,9 +153,57 @@ func TestRealKernelNFTables(t *testing.T) {
 					t.Logf("nft list ruleset in the node namespace (err %v):\n%s", err, out)
 				}
 			})
-			return b, &reportTracer{t: t, src: src, check: checkReason(t)}
+			return b, &reportTracer{t: t, src: src, check: checkBoth(t, node.NS, binary)}
 		},
-	})
+	}
+}
+
+// checkBoth checks the reasons and, with binary, that `kproxy trace` run
+// in ns reports what Run does.
+func checkBoth(t *testing.T, ns *netnstest.NS, binary string) func(f pt.Flow, rep *Report) {
+	reason := checkReason(t)
+	return func(f pt.Flow, rep *Report) {
+		reason(f, rep)
+		if binary == "" {
+			return
+		}
+		args := []string{"trace", "--src", f.Source, "--dst", f.Dest, "--dport", strconv.Itoa(f.Port),
+			"--proto", strings.ToLower(string(f.Protocol)), "--from", rep.Packet.From}
+		out, err := ns.Exec(context.Background(), binary, append(args, "-o", "json")...)
+		if err != nil {
+			t.Errorf("flow %q: kproxy %s: %v\n%s", f.Name, strings.Join(args, " "), err, out)
+			return
+		}
+		var got Report
+		if err := json.Unmarshal(out, &got); err != nil {
+			t.Errorf("flow %q: kproxy trace -o json: %v\n%s", f.Name, err, out)
+			return
+		}
+		if got.Verdict != rep.Verdict || got.Reason != rep.Reason || !reflect.DeepEqual(got.Endpoints, rep.Endpoints) {
+			t.Errorf("flow %q: kproxy trace says %s %q %+v; Run says %s %q %+v", f.Name, got.Verdict, got.Reason, got.Endpoints,
+				rep.Verdict, rep.Reason, rep.Endpoints)
+		}
+		text, _ := ns.Exec(context.Background(), binary, args...)
+		t.Logf("flow %q: kproxy %s\n%s", f.Name, strings.Join(args, " "), text)
+	}
+}
+
+// TestRealKernelBinary runs the kproxy binary's trace in the node
+// namespace of a few cases, in both modes.
+func TestRealKernelBinary(t *testing.T) {
+	netnstest.RequireRoot(t)
+	binary := filepath.Join(t.TempDir(), "kproxy")
+	if out, err := exec.Command("go", "build", "-o", binary, "github.com/kproxy/kproxy/cmd/kproxy").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	names := []string{
+		"clusterIP reaches every endpoint; off-cluster sources are masqueraded",
+		"externalTrafficPolicy Local without a local endpoint drops external traffic",
+	}
+	t.Run("iptables", func(t *testing.T) { runRealCases(t, names, realIPTablesKernel(binary)) })
+	if _, err := exec.LookPath("nft"); err == nil {
+		t.Run("nftables", func(t *testing.T) { runRealCases(t, names, realNFTablesKernel(binary)) })
+	}
 }
 
 // nsNFT runs every call of a real knftables.Interface inside the node
