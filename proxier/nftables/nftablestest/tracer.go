@@ -5,7 +5,8 @@
 //
 // It understands exactly the nft syntax kproxy's nftables backend writes
 // (proxier/nftables) and fails on anything else, so a renderer change
-// that it cannot evaluate is noticed rather than misread.
+// that it cannot evaluate is noticed rather than misread. Besides the
+// tests, `kproxy trace` (proxier/trace) walks the node's live table with it.
 package nftablestest
 
 import (
