@@ -14,7 +14,6 @@ import (
 	"testing"
 	"time"
 
-
 	"github.com/kproxy/kproxy/pkg/deadline"
 	"github.com/kproxy/kproxy/pkg/healthcheck"
 	"github.com/kproxy/kproxy/pkg/ipvs"
