@@ -3,6 +3,7 @@ package ipvs
 import (
 	"context"
 	"fmt"
+	"net/netip"
 	"strings"
 	"testing"
 
@@ -48,6 +49,24 @@ func TestFlushRepaired(t *testing.T) {
 			found: "was flushed",
 		},
 		{
+			name: "ipset flush of one set",
+			flush: func(t *testing.T, k *fakeKernel) {
+				if err := k.sets.FlushSet(ctx, setClusterIP); err != nil {
+					t.Fatal(err)
+				}
+			},
+			found: "ipset " + setClusterIP + " was flushed",
+		},
+		{
+			name: "ipset flush of one small set",
+			flush: func(t *testing.T, k *fakeKernel) {
+				if err := k.sets.FlushSet(ctx, setIPVSAddresses); err != nil {
+					t.Fatal(err)
+				}
+			},
+			found: "ipset " + setIPVSAddresses + " was flushed",
+		},
+		{
 			name: "iptables -F then ipset destroy of one set",
 			flush: func(t *testing.T, k *fakeKernel) {
 				referenced := k.sets.Referenced
@@ -82,6 +101,15 @@ func TestFlushRepaired(t *testing.T) {
 				}
 			},
 			found: "was missing from " + DefaultDummyDevice,
+		},
+		{
+			name: "ip addr del of one address of " + DefaultDummyDevice,
+			flush: func(t *testing.T, k *fakeKernel) {
+				if err := k.nl.UnbindAddress(ctx, netip.MustParseAddr("10.96.0.7"), DefaultDummyDevice); err != nil {
+					t.Fatal(err)
+				}
+			},
+			found: "address 10.96.0.7 was missing from " + DefaultDummyDevice,
 		},
 		{
 			name: "ip link del " + DefaultDummyDevice,

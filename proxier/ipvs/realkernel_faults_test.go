@@ -23,14 +23,19 @@ import (
 )
 
 // TestRealKernelFlushRepaired removes kproxy's state with the real tools,
-// as an operator or a firewall reload would, and runs one sync with
-// nothing changed: it must find the damage, be full, and leave the
-// services working (docs/design.md, "IPVS mode under faults").
+// as an operator or a firewall reload would, while steady traffic runs,
+// and then runs one sync with nothing changed: it must find the damage, be
+// full, and leave the services working; no request started after it may
+// fail (docs/design.md, "IPVS mode under faults"). Other Services are
+// there so that what the flush check samples is seldom web's.
 func TestRealKernelFlushRepaired(t *testing.T) {
-	r := newRealNode(t, func(name string, ns *netnstest.NS, bind string) { ns.StartEcho(t, "tcp4", bind, name) })
+	r := newRealNode(t, echoServers(t))
 	ctx := t.Context()
 	r.engine.OnServiceAdd(pt.Service("web", "10.96.0.10", pt.NodePort(30080)))
 	r.engine.OnEndpointSliceAdd(r.slice("web", "be1", "be2"))
+	for i := range 20 {
+		r.addFiller(i)
+	}
 	r.sync()
 	works := func(t *testing.T) {
 		t.Helper()
@@ -47,6 +52,11 @@ func TestRealKernelFlushRepaired(t *testing.T) {
 		}
 	}
 	works(t)
+	tr := startTraffic(t,
+		trafficTarget{from: r.pods["pod"].ns, addr: "10.96.0.10:80", want: bothBackends},
+		trafficTarget{from: r.client, addr: netip.AddrPortFrom(realNodeAddr.Addr(), 30080).String(), want: bothBackends},
+	)
+	tr.waitSent(t, 20)
 	for _, tc := range []struct {
 		name  string
 		cmds  [][]string
@@ -54,6 +64,8 @@ func TestRealKernelFlushRepaired(t *testing.T) {
 	}{
 		{name: "ipvsadm -C", cmds: [][]string{{"ipvsadm", "-C"}}, found: "IPVS virtual server"},
 		{name: "ipset flush", cmds: [][]string{{"ipset", "flush"}}, found: "was flushed"},
+		{name: "ipset flush " + setClusterIP, cmds: [][]string{{"ipset", "flush", setClusterIP}}, found: "ipset " + setClusterIP + " was flushed"},
+		{name: "ipset flush " + setIPVSAddresses, cmds: [][]string{{"ipset", "flush", setIPVSAddresses}}, found: "ipset " + setIPVSAddresses + " was flushed"},
 		{
 			name: "iptables -F of every table, then ipset destroy",
 			cmds: [][]string{
@@ -63,28 +75,47 @@ func TestRealKernelFlushRepaired(t *testing.T) {
 			found: "is gone",
 		},
 		{name: "ip addr flush dev " + DefaultDummyDevice, cmds: [][]string{{"ip", "addr", "flush", "dev", DefaultDummyDevice}}, found: "was missing"},
+		{
+			name:  "ip addr del 10.96.0.10/32 dev " + DefaultDummyDevice,
+			cmds:  [][]string{{"ip", "addr", "del", "10.96.0.10/32", "dev", DefaultDummyDevice}},
+			found: "address 10.96.0.10 was missing",
+		},
 		{name: "ip link del " + DefaultDummyDevice, cmds: [][]string{{"ip", "link", "del", DefaultDummyDevice}}, found: "is gone"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			sentBefore, _ := tr.counts()
+			flushed := time.Now()
 			for _, cmd := range tc.cmds {
 				if out, err := r.node.Exec(ctx, cmd[0], cmd[1:]...); err != nil {
 					t.Fatalf("%s: %v\n%s", strings.Join(cmd, " "), err, out)
 				}
 			}
+			// The traffic meets the damage until the next sync.
+			tr.waitSent(t, 10)
 			start := time.Now()
 			r.sync()
+			repaired := time.Now()
 			st := r.backend.LastSync()
-			t.Logf("repaired in %v by a full sync that found: %s", time.Since(start).Round(time.Millisecond), st.Repaired)
+			sent, _ := tr.counts()
+			t.Logf("%d of %d requests failed between the flush and the repair (%v later) by one full sync of %v that found: %s",
+				len(tr.failures(flushed)), sent-sentBefore, repaired.Sub(flushed).Round(time.Millisecond), repaired.Sub(start).Round(time.Millisecond), st.Repaired)
 			if !st.Full || !strings.Contains(st.Repaired, tc.found) {
 				t.Errorf("sync after %s: full %v, found %q; want a full sync that found %q", tc.name, st.Full, st.Repaired, tc.found)
 			}
 			works(t)
+			tr.waitSent(t, 20)
+			for _, f := range tr.failures(repaired) {
+				t.Errorf("request %s failed after the repair: %s", f.target, f.err)
+			}
 			r.sync()
 			if st := r.backend.LastSync(); st.Full || st.Repaired != "" {
 				t.Errorf("the sync after the repair: full %v, found %q", st.Full, st.Repaired)
 			}
 		})
 	}
+	tr.stop()
+	sent, failed := tr.counts()
+	t.Logf("traffic sent %d, failed %d (between a flush and its repair only)", sent, failed)
 	r.backend.initialized = false
 	r.sync()
 	if err := r.backend.Cleanup(context.Background()); err != nil {
