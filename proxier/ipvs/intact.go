@@ -23,13 +23,16 @@ import (
 //     kproxy's, any of them, looked up by its real servers;
 //   - addresses removed from the dummy device (ip addr del or flush, a
 //     network manager) or the device deleted: one listing of the device's
-//     addresses, compared with those wanted.
+//     addresses, compared with those wanted, when the last listing is at
+//     least half of Options.CanaryInterval old; else one of kproxy's
+//     addresses, any of them, bound again (the kernel says whether it was
+//     there), which finds them all flushed or the device deleted.
 //
 // The kernel requests do not grow with the number of services, except the
-// listing of the device's addresses, which the partial sync's own listing
-// of the node's addresses already costs once. It returns what it found (""
-// when nothing): the sync is then made full, which reconciles everything
-// with the kernel. A failure to look counts as a finding.
+// listing of the device's addresses, at most every half canary interval.
+// It returns what it found ("" when nothing): the sync is then made full,
+// which reconciles everything with the kernel. A failure to look counts as
+// a finding.
 func (b *Backend) checkIntact(ctx context.Context) string {
 	for _, check := range []func(context.Context) string{b.checkSets, b.checkVirtualServers, b.checkAddresses} {
 		if found := check(ctx); found != "" {
@@ -110,11 +113,16 @@ func (b *Backend) checkVirtualServers(ctx context.Context) string {
 }
 
 // checkAddresses finds addresses removed from the dummy device, or the
-// device deleted: it lists the device's addresses and looks for every
-// wanted one.
+// device deleted: by listing the device's addresses and looking for every
+// wanted one when the last listing is at least half a canary interval old,
+// else by probing one address (probeAddress).
 func (b *Backend) checkAddresses(ctx context.Context) string {
 	if len(b.addrRefs) == 0 {
 		return ""
+	}
+	now := b.clock.Now()
+	if now.Sub(b.addrsListed) < b.opts.CanaryInterval/2 {
+		return b.probeAddress(ctx)
 	}
 	bound, err := b.nl.ListBoundAddresses(ctx, b.device)
 	switch {
@@ -123,6 +131,7 @@ func (b *Backend) checkAddresses(ctx context.Context) string {
 	case err != nil:
 		return fmt.Sprintf("listing the addresses of %s failed: %v", b.device, err)
 	}
+	b.addrsListed = now
 	var missing []netip.Addr
 	for a := range b.addrRefs {
 		if _, ok := slices.BinarySearchFunc(bound, a, netip.Addr.Compare); !ok {
@@ -137,4 +146,23 @@ func (b *Backend) checkAddresses(ctx context.Context) string {
 		return "address " + missing[0].String() + " was missing from " + b.device
 	}
 	return fmt.Sprintf("address %s (and %d more) was missing from %s", missing[0], len(missing)-1, b.device)
+}
+
+// probeAddress finds the dummy device's addresses flushed, or the device
+// deleted: it binds one of kproxy's addresses again, whichever the map
+// yields first, and the kernel says whether the device had it.
+func (b *Backend) probeAddress(ctx context.Context) string {
+	for a := range b.addrRefs {
+		existed, err := b.nl.EnsureAddressBound(ctx, a, b.device)
+		switch {
+		case errors.Is(err, netlink.ErrNotExist):
+			return "device " + b.device + " is gone"
+		case err != nil:
+			return fmt.Sprintf("binding %s to %s failed: %v", a, b.device, err)
+		case !existed:
+			return "address " + a.String() + " was missing from " + b.device
+		}
+		break
+	}
+	return ""
 }

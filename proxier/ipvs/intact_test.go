@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kproxy/kproxy/pkg/ipvs"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
@@ -129,6 +130,9 @@ func TestFlushRepaired(t *testing.T) {
 				t.Fatalf("a sync with nothing changed: full %v, repaired %q", st.Full, st.Repaired)
 			}
 			tc.flush(t, h.k)
+			// The next sync comes at most a sync period later (the
+			// canary interval): the device's addresses are listed.
+			h.clock.Step(DefaultCanaryInterval / 2)
 			st := h.sync()
 			if !st.Full || !strings.Contains(st.Repaired, tc.found) {
 				t.Errorf("sync after the flush: full %v, found %q; want a full sync that found %q", st.Full, st.Repaired, tc.found)
@@ -161,6 +165,7 @@ func TestFlushCheckFindsNothing(t *testing.T) {
 			pt.AddNumberedServices(h.engine, n)
 			h.sync()
 			for i := range 3 {
+				h.clock.Step(DefaultCanaryInterval / 2 * time.Duration(i)) // probed, then listed
 				if st := h.sync(); st.Full || st.Repaired != "" {
 					t.Fatalf("sync %d with nothing changed: full %v, repaired %q", i, st.Full, st.Repaired)
 				}

@@ -90,8 +90,10 @@ func TestRealKernelFlushRepaired(t *testing.T) {
 					t.Fatalf("%s: %v\n%s", strings.Join(cmd, " "), err, out)
 				}
 			}
-			// The traffic meets the damage until the next sync.
+			// The traffic meets the damage until the next sync, at most a
+			// sync period (the canary interval) later.
 			tr.waitSent(t, 10)
+			r.clock.Step(DefaultCanaryInterval / 2)
 			start := time.Now()
 			r.sync()
 			repaired := time.Now()
