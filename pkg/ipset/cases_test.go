@@ -46,6 +46,20 @@ func del(name string, e Entry) step {
 	return step{name: "del " + e.String() + " from " + name, op: func(ctx context.Context, s Interface) error { return s.DelEntry(ctx, name, e) }}
 }
 
+// has checks HasEntry.
+func has(name string, e Entry, want bool) step {
+	return step{name: fmt.Sprintf("has %s in %s", e, name), op: func(ctx context.Context, s Interface) error {
+		got, err := s.HasEntry(ctx, name, e)
+		if err != nil {
+			return err
+		}
+		if got != want {
+			return fmt.Errorf("HasEntry = %v, want %v", got, want)
+		}
+		return nil
+	}}
+}
+
 // entries checks the set's entries, compared as strings.
 func entries(name string, want ...string) step {
 	return step{name: "entries of " + name, op: func(ctx context.Context, s Interface) error {
@@ -155,16 +169,22 @@ func lifecycle(c typeCase) interfaceCase {
 			ensure(c.set),
 			sets(name),
 			entries(name),
+			has(name, c.e1, false),
 			add(name, c.e1),
 			add(name, c.e2),
 			add(name, c.e1),
 			entries(name, first, second),
+			has(name, c.e1, true),
+			has(name, c.e2, true),
 			del(name, c.e1),
 			del(name, c.e1),
 			entries(name, c.s2),
+			has(name, c.e1, false),
+			has(name, c.e2, true),
 			add(name, c.e1),
 			flush(name),
 			entries(name),
+			has(name, c.e2, false),
 			destroy(name),
 			destroy(name),
 			sets(),
@@ -255,6 +275,7 @@ func interfaceCases() []interfaceCase {
 				del("KP-A", Entry{IP: ip("10.0.0.1")}).fails(ErrNotExist),
 				flush("KP-A").fails(ErrNotExist),
 				entries("KP-A").fails(ErrNotExist),
+				has("KP-A", Entry{IP: ip("10.0.0.1")}, false).fails(ErrNotExist),
 				destroy("KP-A"),
 			},
 		},

@@ -212,6 +212,25 @@ func (f *Fake) DelEntry(ctx context.Context, name string, e Entry) error {
 	return nil
 }
 
+// HasEntry implements Interface.
+func (f *Fake) HasEntry(ctx context.Context, name string, e Entry) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s, err := f.get(name)
+	if err != nil {
+		return false, fmt.Errorf("testing %s: %w", e, err)
+	}
+	n, err := s.set.checkEntry(e)
+	if err != nil {
+		return false, err
+	}
+	_, ok := s.entries[n]
+	return ok, nil
+}
+
 // FlushSet implements Interface.
 func (f *Fake) FlushSet(ctx context.Context, name string) error {
 	if err := ctx.Err(); err != nil {

@@ -104,6 +104,9 @@ type Interface interface {
 	DelEntry(ctx context.Context, name string, e Entry) error
 	// FlushSet removes every entry; ErrNotExist when the set is absent.
 	FlushSet(ctx context.Context, name string) error
+	// HasEntry reports whether the set holds e (one kernel request,
+	// whatever the set's size); ErrNotExist when the set is absent.
+	HasEntry(ctx context.Context, name string, e Entry) (bool, error)
 }
 
 var (

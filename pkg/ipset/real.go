@@ -295,6 +295,13 @@ func (r *Real) DelEntry(ctx context.Context, name string, e Entry) error {
 	}, nil)
 }
 
+// HasEntry implements Interface.
+func (r *Real) HasEntry(ctx context.Context, name string, e Entry) (bool, error) {
+	return deadline.Call(ctx, &r.guard, "ipset: testing an entry of set "+name, r.timeout, func(ctx context.Context) (bool, error) {
+		return r.hasEntry(ctx, name, e)
+	}, nil)
+}
+
 // FlushSet implements Interface.
 func (r *Real) FlushSet(ctx context.Context, name string) error {
 	return r.guard.Do(ctx, "ipset: flushing set "+name, r.timeout, func(ctx context.Context) error {
@@ -497,6 +504,37 @@ func (r *Real) delEntry(ctx context.Context, name string, e Entry) error {
 	}
 	klog.FromContext(ctx).V(5).Info("Deleted ipset entry", "set", name, "entry", n)
 	return nil
+}
+
+// hasEntry does HasEntry's work, under its deadline: the kernel answers a
+// test request with IPSET_ERR_EXIST when the entry is absent.
+func (r *Real) hasEntry(ctx context.Context, name string, e Entry) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	n, typ, err := r.entryFor(name, e)
+	if err != nil {
+		return false, err
+	}
+	var has bool
+	if typ == BitmapPort {
+		err = r.portRequest(nl.IPSET_CMD_TEST, name, n.Port, "")
+		has = err == nil
+		if code, ok := errno(err); ok && code == nl.IPSET_ERR_EXIST {
+			err = nil
+		}
+	} else {
+		// The library answers IPSET_ERR_EXIST with (false, nil).
+		err = call(func() error {
+			var err error
+			has, err = r.h.IpsetTest(name, toLibEntry(n))
+			return err
+		})
+	}
+	if err != nil {
+		return false, fmt.Errorf("testing %s in set %s: %w", e, name, kernelErr(err))
+	}
+	return has, nil
 }
 
 // flushSet does FlushSet's work, under its deadline.

@@ -114,8 +114,19 @@ type Options struct {
 	DummyDevice string
 	// GracefulTerminationTimeout: default DefaultGracefulTerminationTimeout.
 	GracefulTerminationTimeout time.Duration
-	Clock                      clock.PassiveClock
+	// CanaryInterval bounds how long an address removed from the dummy
+	// device goes unnoticed: a partial sync lists the device's addresses
+	// (the one check whose cost grows with the services) when the last
+	// listing is at least half of it old, so that a node syncing every
+	// CanaryInterval lists them at every sync; the other checks run at
+	// every partial sync (checkIntact). Default DefaultCanaryInterval (the
+	// command sets the sync period).
+	CanaryInterval time.Duration
+	Clock          clock.PassiveClock
 }
+
+// DefaultCanaryInterval is Options.CanaryInterval's default.
+const DefaultCanaryInterval = 30 * time.Second
 
 // SyncStats counts what the last sync did to the kernel, for logs and
 // tests.
@@ -179,7 +190,10 @@ type Backend struct {
 	// refused; plans holds their last good one (or nothing). A partial
 	// sync retries one when its service changes.
 	setAside map[proxy.ServicePortName]bool
-	last     SyncStats
+	// addrsListed is when the dummy device's addresses were last listed
+	// (a full sync, or checkAddresses).
+	addrsListed time.Time
+	last        SyncStats
 }
 
 // termVS holds the real servers of one virtual server that wait at weight
@@ -231,6 +245,9 @@ func New(opts Options) (*Backend, error) {
 	}
 	if opts.GracefulTerminationTimeout <= 0 {
 		opts.GracefulTerminationTimeout = DefaultGracefulTerminationTimeout
+	}
+	if opts.CanaryInterval <= 0 {
+		opts.CanaryInterval = DefaultCanaryInterval
 	}
 	if opts.Clock == nil {
 		opts.Clock = clock.RealClock{}
@@ -619,6 +636,7 @@ func (b *Backend) fullSync(ctx context.Context, state *proxy.NodeState, r *rende
 	if err != nil {
 		return nil, []error{err}
 	}
+	b.addrsListed = b.clock.Now()
 	recorded, err := recordedVS(ctx, b.ipset, b.ipv6)
 	if err != nil {
 		return nil, []error{err}

@@ -3,8 +3,10 @@ package ipvs
 import (
 	"context"
 	"fmt"
+	"net/netip"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kproxy/kproxy/pkg/ipvs"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
@@ -48,6 +50,24 @@ func TestFlushRepaired(t *testing.T) {
 			found: "was flushed",
 		},
 		{
+			name: "ipset flush of one set",
+			flush: func(t *testing.T, k *fakeKernel) {
+				if err := k.sets.FlushSet(ctx, setClusterIP); err != nil {
+					t.Fatal(err)
+				}
+			},
+			found: "ipset " + setClusterIP + " was flushed",
+		},
+		{
+			name: "ipset flush of one small set",
+			flush: func(t *testing.T, k *fakeKernel) {
+				if err := k.sets.FlushSet(ctx, setIPVSAddresses); err != nil {
+					t.Fatal(err)
+				}
+			},
+			found: "ipset " + setIPVSAddresses + " was flushed",
+		},
+		{
 			name: "iptables -F then ipset destroy of one set",
 			flush: func(t *testing.T, k *fakeKernel) {
 				referenced := k.sets.Referenced
@@ -84,6 +104,15 @@ func TestFlushRepaired(t *testing.T) {
 			found: "was missing from " + DefaultDummyDevice,
 		},
 		{
+			name: "ip addr del of one address of " + DefaultDummyDevice,
+			flush: func(t *testing.T, k *fakeKernel) {
+				if err := k.nl.UnbindAddress(ctx, netip.MustParseAddr("10.96.0.7"), DefaultDummyDevice); err != nil {
+					t.Fatal(err)
+				}
+			},
+			found: "address 10.96.0.7 was missing from " + DefaultDummyDevice,
+		},
+		{
 			name: "ip link del " + DefaultDummyDevice,
 			flush: func(t *testing.T, k *fakeKernel) {
 				if err := k.nl.DeleteDummyDevice(ctx, DefaultDummyDevice); err != nil {
@@ -101,6 +130,9 @@ func TestFlushRepaired(t *testing.T) {
 				t.Fatalf("a sync with nothing changed: full %v, repaired %q", st.Full, st.Repaired)
 			}
 			tc.flush(t, h.k)
+			// The next sync comes at most a sync period later (the
+			// canary interval): the device's addresses are listed.
+			h.clock.Step(DefaultCanaryInterval / 2)
 			st := h.sync()
 			if !st.Full || !strings.Contains(st.Repaired, tc.found) {
 				t.Errorf("sync after the flush: full %v, found %q; want a full sync that found %q", st.Full, st.Repaired, tc.found)
@@ -133,6 +165,7 @@ func TestFlushCheckFindsNothing(t *testing.T) {
 			pt.AddNumberedServices(h.engine, n)
 			h.sync()
 			for i := range 3 {
+				h.clock.Step(DefaultCanaryInterval / 2 * time.Duration(i)) // probed, then listed
 				if st := h.sync(); st.Full || st.Repaired != "" {
 					t.Fatalf("sync %d with nothing changed: full %v, repaired %q", i, st.Full, st.Repaired)
 				}

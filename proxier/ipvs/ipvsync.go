@@ -127,7 +127,11 @@ func (b *Backend) growVS(ctx context.Context, v *virtualServer, have *ipvs.Servi
 
 // reconcileDests adds v's missing real servers, gives the wanted ones
 // weight 1 and terminates the others gracefully; it returns those to
-// delete.
+// delete. The others are terminated only once every wanted one is in
+// place: when an addition fails (refused, or a call that timed out) the
+// old real servers keep carrying the virtual server's connections, as
+// they did before the sync, instead of leaving it with none at weight 1
+// (docs/design.md, "IPVS mode under faults").
 func (b *Backend) reconcileDests(ctx context.Context, v *virtualServer, have []*ipvs.Destination, st *SyncStats) ([]*ipvs.Destination, error) {
 	k := keyOf(&v.svc)
 	want := make(map[destKey]bool, len(v.dests))
@@ -135,19 +139,13 @@ func (b *Backend) reconcileDests(ctx context.Context, v *virtualServer, have []*
 		want[d] = true
 	}
 	var errs []error
-	var dels []*ipvs.Destination
+	var unwanted []*ipvs.Destination
 	seen := make(map[destKey]bool, len(have))
 	for _, d := range have {
 		dk := destKey{d.Address, d.Port}
 		seen[dk] = true
 		if !want[dk] {
-			del, err := b.terminate(ctx, &v.svc, d, st)
-			if err != nil {
-				errs = append(errs, err)
-			}
-			if del {
-				dels = append(dels, d)
-			}
+			unwanted = append(unwanted, d)
 			continue
 		}
 		b.clearTerminating(k, dk)
@@ -168,6 +166,19 @@ func (b *Backend) reconcileDests(ctx context.Context, v *virtualServer, have []*
 			continue
 		}
 		st.DestinationsAdded++
+	}
+	if len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
+	var dels []*ipvs.Destination
+	for _, d := range unwanted {
+		del, err := b.terminate(ctx, &v.svc, d, st)
+		if err != nil {
+			errs = append(errs, err)
+		}
+		if del {
+			dels = append(dels, d)
+		}
 	}
 	return dels, errors.Join(errs...)
 }

@@ -79,12 +79,39 @@ type realNode struct {
 	clock   *testingclock.FakeClock
 }
 
+// realNodeOptions configure newRealNodeWith.
+type realNodeOptions struct {
+	// serve starts each backend's servers.
+	serve func(name string, ns *netnstest.NS, bind string)
+	// agent configures the first agent (startAgent).
+	agent realAgentOptions
+}
+
+// realAgentOptions configure one agent: kernel handles, backend and engine
+// over the node namespace, as one kproxy process has them.
+type realAgentOptions struct {
+	// wrapIPVS, when set, wraps the backend's IPVS interface (fault
+	// injection); r.ipvs stays the real one.
+	wrapIPVS func(ipvs.Interface) ipvs.Interface
+	// kernelCallTimeout bounds each netlink call (--kernel-call-timeout);
+	// zero: the default.
+	kernelCallTimeout time.Duration
+	// onSync is passed on to the engine.
+	onSync func(proxier.SyncResult)
+}
+
 // newRealNode builds the topology; serve starts each backend's servers.
 func newRealNode(t *testing.T, serve func(name string, ns *netnstest.NS, bind string)) *realNode {
 	t.Helper()
+	return newRealNodeWith(t, realNodeOptions{serve: serve})
+}
+
+// newRealNodeWith builds the topology and starts the first agent.
+func newRealNodeWith(t *testing.T, opts realNodeOptions) *realNode {
+	t.Helper()
 	requireVM(t)
-	ctx := t.Context()
-	r := &realNode{t: t, pods: map[string]*realPod{}, clock: pt.NewClock()}
+	serve := opts.serve
+	r := &realNode{t: t, pods: map[string]*realPod{}}
 	r.node = netnstest.New(t, "ipvsnode")
 	def := netip.PrefixFrom(netip.IPv4Unspecified(), 0)
 	r.client = netnstest.New(t, "ipvscli")
@@ -101,24 +128,6 @@ func newRealNode(t *testing.T, serve func(name string, ns *netnstest.NS, bind st
 			serve(name, ns, netip.AddrPortFrom(podAddr.Addr(), realPort).String())
 		}
 	}
-
-	var err error
-	if r.ipvs, err = ipvs.New(ipvs.Options{NetNS: r.node.Name}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = r.ipvs.Close() })
-	if r.nl, err = netlink.New(netlink.Options{NetNS: r.node.Name}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = r.nl.Close() })
-	if r.sets, err = ipset.New(ipset.Options{NetNS: r.node.Name}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = r.sets.Close() })
-	if r.ipt, err = ipt.New(ctx, ipt.Options{Protocol: ipt.ProtocolIPv4, NetNS: r.node.Name}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = r.ipt.(*ipt.Real).Close() })
 	t.Cleanup(func() {
 		if !t.Failed() {
 			return
@@ -128,8 +137,42 @@ func newRealNode(t *testing.T, serve func(name string, ns *netnstest.NS, bind st
 			t.Logf("%s (err %v):\n%s", strings.Join(cmd, " "), err, out)
 		}
 	})
+	r.startAgent(opts.agent)
+	return r
+}
+
+// startAgent starts a new agent over the node: new kernel handles, a new
+// backend and a new engine with its own clock, knowing nothing of the
+// previous agent's (a restarted kproxy). The previous agent's handles stay
+// open until the test ends.
+func (r *realNode) startAgent(opts realAgentOptions) {
+	t := r.t
+	t.Helper()
+	ctx := t.Context()
+	r.clock = pt.NewClock()
+	var err error
+	if r.ipvs, err = ipvs.New(ipvs.Options{NetNS: r.node.Name, Timeout: opts.kernelCallTimeout}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.ipvs.Close() })
+	if r.nl, err = netlink.New(netlink.Options{NetNS: r.node.Name, Timeout: opts.kernelCallTimeout}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.nl.Close() })
+	if r.sets, err = ipset.New(ipset.Options{NetNS: r.node.Name, Timeout: opts.kernelCallTimeout}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.sets.Close() })
+	if r.ipt, err = ipt.New(ctx, ipt.Options{Protocol: ipt.ProtocolIPv4, NetNS: r.node.Name}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.ipt.(*ipt.Real).Close() })
+	var iface ipvs.Interface = r.ipvs
+	if opts.wrapIPVS != nil {
+		iface = opts.wrapIPVS(iface)
+	}
 	r.backend, err = New(Options{
-		IPVS: r.ipvs, Netlink: r.nl, IPSet: r.sets, IPTables: r.ipt, Sysctl: ProcSysctl{NetNS: r.node.Name},
+		IPVS: iface, Netlink: r.nl, IPSet: r.sets, IPTables: r.ipt, Sysctl: ProcSysctl{NetNS: r.node.Name},
 		Clock: r.clock,
 	})
 	if err != nil {
@@ -137,8 +180,7 @@ func newRealNode(t *testing.T, serve func(name string, ns *netnstest.NS, bind st
 	}
 	env := pt.DefaultEnv()
 	env.NodeName, env.NodeIPs = realNodeName, nil
-	r.engine = pt.NewEngine(t, r.backend, pt.EngineOptions{Env: env, Clock: r.clock})
-	return r
+	r.engine = pt.NewEngine(t, r.backend, pt.EngineOptions{Env: env, Clock: r.clock, OnSync: opts.onSync})
 }
 
 func (r *realNode) sync() {

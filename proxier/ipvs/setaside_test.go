@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
@@ -543,4 +544,52 @@ func refuseIf(cond bool, err error) error {
 		return err
 	}
 	return nil
+}
+
+// TestFailedAdditionKeepsOldRealServers: when the kernel refuses a virtual
+// server's new real server, or the call adding it times out, the real
+// server it replaces (which still has connections) keeps weight 1: the
+// virtual server is never left with none to send a new connection to
+// (found by TestRealKernelHungCall: the old one was quiesced first).
+func TestFailedAdditionKeepsOldRealServers(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		err      error
+		setAside bool
+	}{
+		{name: "refused", err: errRefused, setAside: true},
+		{name: "timed out", err: context.DeadlineExceeded},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			h := newHarness(t, nil, Options{})
+			h.engine.OnServiceAdd(pt.Service("svc", "10.96.0.1"))
+			h.engine.OnEndpointSliceAdd(pt.Slice("svc", 8080, pt.EP{IP: "10.244.2.1", Node: "node-b"}))
+			h.sync()
+			vs := h.k.vs(t, "10.96.0.1", ipvs.ProtocolTCP, 80)
+			if err := h.k.ipvs.SetConnections(vs, &ipvs.Destination{Address: netip.MustParseAddr("10.244.2.1"), Port: 8080}, 1, 0); err != nil {
+				t.Fatal(err)
+			}
+			newEP := netip.MustParseAddr("10.244.2.2")
+			h.k.ipvs.SetRefuse(func(op ipvs.Op, _ *ipvs.Service, dst *ipvs.Destination) error {
+				return refuseIf(op == ipvs.OpAddDestination && dst.Address == newEP, tc.err)
+			})
+			h.engine.OnEndpointSliceUpdate(nil, pt.Slice("svc", 8080, pt.EP{IP: newEP.String(), Node: "node-b"}))
+			err := h.engine.SyncRules(ctx)
+			if tc.setAside {
+				h.checkSetAside(t, pt.ServicePortNameOf(pt.Service("svc", "10.96.0.1"), "p"))
+			} else if !errors.Is(err, tc.err) {
+				t.Errorf("sync error %v, want %v", err, tc.err)
+			}
+			if got := h.k.dests(t, vs); !slices.Equal(got, []string{"10.244.2.1:8080 weight 1"}) {
+				t.Errorf("real servers after the failed addition: %v, want the old one at weight 1", got)
+			}
+			h.k.ipvs.SetRefuse(nil)
+			h.clock.Step(time.Hour) // a full sync retries a port set aside
+			h.sync()
+			if got := h.k.dests(t, h.k.vs(t, "10.96.0.1", ipvs.ProtocolTCP, 80)); !slices.Equal(got, []string{"10.244.2.1:8080 weight 0", "10.244.2.2:8080 weight 1"}) {
+				t.Errorf("real servers once accepted: %v, want the old one quiesced and the new one", got)
+			}
+		})
+	}
 }

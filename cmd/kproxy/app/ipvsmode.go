@@ -103,5 +103,6 @@ func newIPVSBackend(o *Options, k *ipvsKernel, i ipt.Interface, nodePortAddresse
 		Scheduler: o.IPVSScheduler, StrictARP: o.IPVSStrictARP,
 		Timeouts:     ipvs.Timeouts{TCP: o.IPVSTCPTimeout, TCPFin: o.IPVSTCPFinTimeout, UDP: o.IPVSUDPTimeout},
 		ExcludeCIDRs: exclude, MasqueradeBit: &bit, NodePortAddresses: nodePortAddresses,
+		CanaryInterval: o.SyncPeriod,
 	})
 }
