@@ -359,6 +359,7 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 		b.initialized = false
 		return proxy.BackendResult{}, err
 	}
+	asked := full
 	full = full || !b.initialized || !slices.Equal(local, b.localAddrs) || !slices.Equal(nodePort, b.nodePortAddrs) ||
 		b.decisionOpts != state.Options
 	var st SyncStats
@@ -411,6 +412,9 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 			st.DestinationsDeleted + st.EntriesAdded + st.EntriesDeleted + st.AddressesBound + st.AddressesUnbound + st.Restores,
 		KernelTime: st.Duration,
 		SetAside:   refused,
+		// A repair (or changed addresses) made the sync full: the engine
+		// then treats it as one (set-aside retries, black-holed flows).
+		Full: full && !asked,
 	}, nil
 }
 
