@@ -68,7 +68,9 @@ func subset(got, want map[string]int) map[string]int {
 // 0, which iptables-nft creates only when first used.
 func withoutUnusedBuiltins(use map[string]int) map[string]int {
 	out := maps.Clone(use)
-	maps.DeleteFunc(out, func(name string, n int) bool { return n == 0 && strings.ToUpper(name) == name && !strings.Contains(name, "-") })
+	maps.DeleteFunc(out, func(name string, n int) bool {
+		return n == 0 && strings.ToUpper(name) == name && !strings.Contains(name, "-")
+	})
 	return out
 }
 
@@ -88,7 +90,9 @@ func TestChainUse(t *testing.T) {
 			}
 			return i.Restore(ctx, []byte(input))
 		}, chainUseWant},
-		{"KPT-A flushed", func(ctx context.Context, i iptables.Interface) error { return i.FlushChain(ctx, iptables.TableNAT, "KPT-A") },
+		{"KPT-A flushed", func(ctx context.Context, i iptables.Interface) error {
+			return i.FlushChain(ctx, iptables.TableNAT, "KPT-A")
+		},
 			map[string]int{"PREROUTING": 1, "KPT-A": 1, "KPT-B": 1, "KPT-C": 2, "KPT-EMPTY": 1}},
 		{"rule of KPT-C deleted", func(ctx context.Context, i iptables.Interface) error {
 			return i.DeleteRule(ctx, iptables.TableNAT, "KPT-C", "-j", "KPT-EMPTY")
