@@ -30,16 +30,15 @@ func JumpTarget(rule string) string {
 	if i < 0 {
 		return ""
 	}
-	target, rest := rule[i+1:], rule[:i]
-	j := lastSpace(rest)
-	switch rest[j+1:] {
-	case "-j", "--jump", "-g", "--goto":
-		return target
+	if isJumpFlag(rule[lastSpace(rule[:i])+1 : i]) {
+		return rule[i+1:]
 	}
 	return ""
 }
 
-func lastSpace(s string) int {
+func isJumpFlag(s string) bool { return s == "-j" || s == "--jump" || s == "-g" || s == "--goto" }
+
+func lastSpace[S string | []byte](s S) int {
 	for i := len(s) - 1; i >= 0; i-- {
 		if isSpace(s[i]) {
 			return i
@@ -49,41 +48,41 @@ func lastSpace(s string) int {
 }
 
 // chainUseCounter computes the use counts from iptables-save output, line
-// by line.
+// by line: it declares every chain before the first rule. It allocates
+// nothing per rule (a large table's output is hundreds of thousands).
 type chainUseCounter struct {
-	use map[string]int
-	// targets counts the rules ending in a jump to each target, chain or
-	// not.
-	targets map[string]int
+	use map[string]*int
 }
 
-func newChainUseCounter() *chainUseCounter {
-	return &chainUseCounter{use: map[string]int{}, targets: map[string]int{}}
-}
+func newChainUseCounter() *chainUseCounter { return &chainUseCounter{use: map[string]*int{}} }
 
 func (c *chainUseCounter) line(line []byte) {
 	switch {
 	case bytes.HasPrefix(line, []byte(":")):
 		name, _, _ := bytes.Cut(line[1:], []byte(" "))
-		if _, ok := c.use[string(name)]; !ok {
-			c.use[string(name)] = 0
+		if c.use[string(name)] == nil {
+			c.use[string(name)] = new(int)
 		}
 	case bytes.HasPrefix(line, []byte("-A ")):
 		name, rule, _ := bytes.Cut(line[3:], []byte(" "))
-		c.use[string(name)]++
-		if t := JumpTarget(string(rule)); t != "" {
-			c.targets[t]++
+		if n := c.use[string(name)]; n != nil {
+			*n++
+		}
+		// The rule's target, when it is a chain (see JumpTarget).
+		if i := lastSpace(rule); i >= 0 && isJumpFlag(string(rule[lastSpace(rule[:i])+1:i])) {
+			if n := c.use[string(rule[i+1:])]; n != nil {
+				*n++
+			}
 		}
 	}
 }
 
 func (c *chainUseCounter) result() map[string]int {
-	for t, n := range c.targets {
-		if _, ok := c.use[t]; ok {
-			c.use[t] += n
-		}
+	out := make(map[string]int, len(c.use))
+	for name, n := range c.use {
+		out[name] = *n
 	}
-	return c.use
+	return out
 }
 
 // ChainUseFromSave computes the use count of every chain of one table
