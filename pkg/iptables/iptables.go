@@ -76,6 +76,15 @@ type Interface interface {
 	// for a few chains: iptables-nft reads only those, iptables-legacy
 	// reads the whole table once (the kernel hands it over whole).
 	ListRules(ctx context.Context, table Table, chains ...Chain) (map[Chain][]string, error)
+	// ChainUse returns, for every chain of table (built-in ones included),
+	// its use count: the number of its rules plus the number of rules of
+	// the table that jump or go to it, the count nf_tables keeps for every
+	// chain. A flushed chain, a deleted rule or a deleted jump lowers it.
+	// iptables-nft reads it from the kernel without listing rules;
+	// iptables-legacy computes it from iptables-save. A table that does not
+	// exist has no chains; iptables-nft creates a built-in chain only when
+	// it first gets a rule, so an empty one may have no entry.
+	ChainUse(ctx context.Context, table Table) (map[string]int, error)
 	// HasRandomFully reports whether MASQUERADE --random-fully is supported.
 	HasRandomFully() bool
 }

@@ -75,7 +75,8 @@ var ErrLocked = errors.New("the xtables lock is held by another program")
 // runs a program, bounded by a deadline (Options.Timeout,
 // RestoreTimeout, and the caller's context): single-rule and chain
 // operations and the version probe run iptables; bulk changes and dumps
-// iptables-restore and iptables-save. A program still running at its
+// iptables-restore and iptables-save. The exception is ChainUse with
+// iptables-nft, one netlink dump under Options.Timeout (chainuse.go). A program still running at its
 // deadline is killed with its process group, and the operation fails with
 // an error that wraps context.DeadlineExceeded (docs/design.md, "Deadlines
 // on kernel calls"). After New a Real changes only when closed, so it is

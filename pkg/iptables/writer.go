@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"time"
+	"unique"
 )
 
 // This file is kproxy's one way of writing its chains: every backend hands
@@ -185,8 +186,13 @@ func (s *WriteStats) add(o WriteStats) {
 // restore may or may not have changed: it matches no rules, so the chain
 // is written again (or deleted, when no longer wanted).
 type chainRecord struct {
-	sum     uint64
-	rules   int
+	sum   uint64
+	rules int
+	// jumps are the targets of the rules that end in "-j TARGET" or "-g
+	// TARGET" (see JumpTarget), in order, separated by spaces; interned,
+	// since most chains jump to the same few. Verify counts those that are
+	// chains of the record.
+	jumps   unique.Handle[string]
 	unknown bool
 }
 
@@ -201,11 +207,22 @@ type fingerprinter struct{ seed maphash.Seed }
 func (f fingerprinter) record(rules []string) chainRecord {
 	var h maphash.Hash
 	h.SetSeed(f.seed)
+	var jumps []byte
 	for _, r := range rules {
 		h.WriteString(r)
 		h.WriteByte('\n') // rules hold no newline
+		if t := JumpTarget(r); t != "" {
+			if len(jumps) > 0 {
+				jumps = append(jumps, ' ')
+			}
+			jumps = append(jumps, t...)
+		}
 	}
-	return chainRecord{sum: h.Sum64(), rules: len(rules)}
+	rec := chainRecord{sum: h.Sum64(), rules: len(rules)}
+	if len(jumps) > 0 {
+		rec.jumps = unique.Make(string(jumps))
+	}
+	return rec
 }
 
 // section is one "*table ... COMMIT" part of a restore.
@@ -874,4 +891,80 @@ func EnsureJumpRules(ctx context.Context, iface Interface, rules []JumpRule) err
 		}
 	}
 	return nil
+}
+
+// ChainDamage is a chain of a Writer's last write that the kernel holds
+// fewer rules of, or fewer jumps to, than that write left (see Verify).
+type ChainDamage struct {
+	Table Table
+	Chain string
+	// Rules and Jumps are what the last write left: the chain's rules, and
+	// the rules jumping or going to it (the writer's own and the external
+	// ones Verify was given).
+	Rules, Jumps int
+	// Use is the kernel's use count of the chain (Interface.ChainUse); -1
+	// when the chain is missing.
+	Use int
+}
+
+func (d ChainDamage) String() string {
+	if d.Use < 0 {
+		return fmt.Sprintf("%s/%s is missing", d.Table, d.Chain)
+	}
+	return fmt.Sprintf("%s/%s has a use count of %d, want %d rules and %d jumps to it", d.Table, d.Chain, d.Use, d.Rules, d.Jumps)
+}
+
+// Verify checks, with one Interface.ChainUse per table, that every chain
+// of the last write is still in the kernel with at least the rules and
+// the jumps to it that the write left there: a chain flushed or deleted by
+// someone else, a rule deleted from it, or a rule jumping to it deleted,
+// lowers its use count (docs/design.md, "Flush detection"). external
+// counts, per table and chain, the jumps to the writer's chains from rules
+// it does not write (hooks in built-in chains). Rules someone else added
+// are not noticed, nor a rule deleted and another added to the same
+// chain. A chain whose record is unknown (a failed restore) is not
+// checked. It returns the damaged chains, sorted; none before any write.
+func (w *Writer) Verify(ctx context.Context, external map[Table]map[string]int) ([]ChainDamage, error) {
+	var out []ChainDamage
+	for _, t := range w.opts.Tables {
+		records := w.last[t]
+		if len(records) == 0 {
+			continue
+		}
+		jumps := make(map[string]int, len(records))
+		for name, n := range external[t] {
+			jumps[name] += n
+		}
+		for _, rec := range records {
+			if rec.unknown || rec.jumps == (unique.Handle[string]{}) {
+				continue
+			}
+			for target := range strings.SplitSeq(rec.jumps.Value(), " ") {
+				jumps[target]++
+			}
+		}
+		use, err := w.opts.IPTables.ChainUse(ctx, t)
+		if err != nil {
+			return nil, err
+		}
+		for name, rec := range records {
+			if rec.unknown {
+				continue
+			}
+			got, ok := use[name]
+			if !ok {
+				got = -1
+			}
+			if got < rec.rules+jumps[name] {
+				out = append(out, ChainDamage{Table: t, Chain: name, Rules: rec.rules, Jumps: jumps[name], Use: got})
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b ChainDamage) int {
+		if c := strings.Compare(string(a.Table), string(b.Table)); c != 0 {
+			return c
+		}
+		return strings.Compare(a.Chain, b.Chain)
+	})
+	return out, nil
 }

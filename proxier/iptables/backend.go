@@ -12,7 +12,6 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
-	"slices"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -218,54 +217,48 @@ func (b *Backend) ensureHooks(ctx context.Context) error {
 // that they deleted its chains too (-X).
 var canaryRule = comment("kproxy canary: empty or missing means this table was flushed") + " -j RETURN"
 
-// hookChains are, per table, the built-in chains holding kproxy's hooks.
-var hookChains = func() map[ipt.Table][]ipt.Chain {
-	out := map[ipt.Table][]ipt.Chain{}
+// hookJumps counts, per table and chain of kproxy's, the hooks (jumpRules)
+// that jump to it.
+var hookJumps = func() map[ipt.Table]map[string]int {
+	out := map[ipt.Table]map[string]int{}
 	for _, j := range jumpRules {
-		if !slices.Contains(out[j.Table], j.Chain) {
-			out[j.Table] = append(out[j.Table], j.Chain)
+		if out[j.Table] == nil {
+			out[j.Table] = map[string]int{}
 		}
+		out[j.Table][j.Args[len(j.Args)-1]]++
 	}
 	return out
 }()
 
-// flushed checks, with one listing of a few chains per table, that each
-// table's canary chain holds its rule and that every hook is in place. It
-// returns what is missing, "" when nothing is (docs/design.md, "Flush
-// detection").
-func (b *Backend) flushed(ctx context.Context) (string, error) {
-	for _, table := range []ipt.Table{ipt.TableNAT, ipt.TableFilter} {
-		rules, err := b.ipt.ListRules(ctx, table, append([]ipt.Chain{chainCanary}, hookChains[table]...)...)
+// flushed checks, with one read of the kernel's chain use counts per
+// table, that every chain of kproxy's last write still holds its rules and
+// the jumps to it, the hooks included (docs/design.md, "Flush
+// detection"). It returns the damaged chains, none when nothing is.
+func (b *Backend) flushed(ctx context.Context) ([]ipt.ChainDamage, error) {
+	var out []ipt.ChainDamage
+	for _, w := range []*ipt.Writer{b.natWriter, b.filterWriter} {
+		damaged, err := w.Verify(ctx, hookJumps)
 		if err != nil {
-			return "", fmt.Errorf("listing the %s canary and hooks: %w", table, err)
+			return nil, err
 		}
-		switch canary, ok := rules[chainCanary]; {
-		case !ok:
-			return fmt.Sprintf("chain %s/%s is missing", table, chainCanary), nil
-		case len(canary) == 0:
-			return fmt.Sprintf("chain %s/%s is empty", table, chainCanary), nil
-		}
-		for _, j := range jumpRules {
-			if j.Table == table && !slices.ContainsFunc(rules[j.Chain], func(r string) bool { return jumpsTo(r, j.Args[len(j.Args)-1]) }) {
-				return fmt.Sprintf("the jump from %s/%s to %s is missing", table, j.Chain, j.Args[len(j.Args)-1]), nil
-			}
-		}
+		out = append(out, damaged...)
 	}
-	return "", nil
+	return out, nil
 }
 
-// jumpsTo reports whether rule (as iptables lists it) jumps to target.
-func jumpsTo(rule, target string) bool {
-	args, err := ipt.SplitArgs(rule)
-	if err != nil {
-		return false
-	}
-	for i := 0; i+1 < len(args); i++ {
-		if (args[i] == "-j" || args[i] == "--jump") && args[i+1] == target {
-			return true
+// describeDamage sums damaged up for a log line: whether a canary chain
+// (so a whole table) was hit, and the first few chains.
+func describeDamage(damaged []ipt.ChainDamage) (tablesFlushed []string, chains []string) {
+	const shown = 10
+	for _, d := range damaged {
+		if d.Chain == chainCanary {
+			tablesFlushed = append(tablesFlushed, string(d.Table))
+		}
+		if len(chains) < shown {
+			chains = append(chains, d.String())
 		}
 	}
-	return false
+	return tablesFlushed, chains
 }
 
 // Sync implements proxier.Backend.
@@ -281,13 +274,15 @@ func (b *Backend) Sync(ctx context.Context, state *proxy.NodeState, full bool) (
 	full = full || !b.initialized
 	now := b.clock.Now()
 	if !full && now.Sub(b.lastCanary) >= b.opts.CanaryInterval/2 {
-		missing, err := b.flushed(ctx)
+		damaged, err := b.flushed(ctx)
 		if err != nil {
 			return proxy.BackendResult{}, fmt.Errorf("checking for a flush: %w", err)
 		}
 		b.lastCanary = now
-		if missing != "" {
-			logger.Info("kproxy's rules were flushed by someone else; doing a full sync", "family", state.Family, "missing", missing)
+		if len(damaged) > 0 {
+			tables, chains := describeDamage(damaged)
+			logger.Info("kproxy's rules were flushed or deleted by someone else; doing a full sync", "family", state.Family,
+				"tablesFlushed", tables, "damagedChains", len(damaged), "damaged", chains)
 			full = true
 		}
 	}

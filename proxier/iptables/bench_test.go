@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -237,11 +238,24 @@ func BenchmarkMemory(b *testing.B) {
 	})
 }
 
+// cpuTime is the CPU time, user and system, of this process and of its
+// children that ended.
+func cpuTime() time.Duration {
+	var total time.Duration
+	for _, who := range []int{syscall.RUSAGE_SELF, syscall.RUSAGE_CHILDREN} {
+		var ru syscall.Rusage
+		if err := syscall.Getrusage(who, &ru); err == nil {
+			total += time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+		}
+	}
+	return total
+}
+
 // BenchmarkFlushCheck measures, per size and iptables backend, the flush
-// check a partial sync makes at most every half canary interval (the
-// canary chains and the hooks listed, docs/design.md "Flush detection")
-// next to a one-endpoint partial sync, over the rules of the standard
-// workload in the real kernel.
+// check a partial sync makes at most every half canary interval (every
+// chain's use count read, docs/design.md "Flush detection"), its wall and
+// CPU time, next to a one-endpoint partial sync, over the rules of the
+// standard workload in the real kernel.
 //
 //	KPROXY_BENCH_SERVICES=10000 go test -run '^$' -bench FlushCheck -benchtime 1x ./proxier/iptables/
 func BenchmarkFlushCheck(b *testing.B) {
@@ -276,13 +290,14 @@ func benchFlushCheck(b *testing.B, n int, variant string) {
 		sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
 		return d[len(d)/2]
 	}
-	var checks, partials []time.Duration
+	var checks, checkCPUs, partials []time.Duration
 	for k := 0; k < 5; k++ {
-		start := time.Now()
-		missing, err := rig.backend.flushed(ctx)
+		start, cpu0 := time.Now(), cpuTime()
+		damaged, err := rig.backend.flushed(ctx)
 		checks = append(checks, time.Since(start))
-		if err != nil || missing != "" {
-			b.Fatalf("flush check: %q, %v", missing, err)
+		checkCPUs = append(checkCPUs, cpuTime()-cpu0)
+		if err != nil || len(damaged) > 0 {
+			b.Fatalf("flush check: %v, %v", damaged, err)
 		}
 		sl := slices[n-1-k].DeepCopy()
 		sl.Endpoints[0].Addresses = []string{fmt.Sprintf("10.250.0.%d", k+1)}
@@ -297,8 +312,9 @@ func benchFlushCheck(b *testing.B, n int, variant string) {
 	}
 	exec := time.Since(start)
 	b.ReportMetric(float64(median(checks).Microseconds())/1000, "check-ms")
+	b.ReportMetric(float64(median(checkCPUs).Microseconds())/1000, "check-cpu-ms")
 	b.ReportMetric(float64(median(partials).Microseconds())/1000, "partial-sync-ms")
 	b.ReportMetric(full.Seconds(), "full-sync-s")
-	b.Logf("n=%d %s: flush check (median of 5) %v, one-endpoint partial sync %v, full sync %v; one `ip netns exec iptables --version` %v",
-		n, variant, median(checks), median(partials), full, exec)
+	b.Logf("n=%d %s: flush check (median of 5) %v, CPU %v (kproxy and its children), one-endpoint partial sync %v, full sync %v; one `ip netns exec iptables --version` %v",
+		n, variant, median(checks), median(checkCPUs), median(partials), full, exec)
 }

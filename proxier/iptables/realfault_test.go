@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/netip"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -226,5 +227,73 @@ func (topo *realTopo) expectDecided(t *testing.T, what, from string, to netip.Ad
 				t.Fatalf("%s: request %d to %s reached %s, want %s or a refusal", what, i+1, to, name, want)
 			}
 		}
+	}
+}
+
+// TestRealKernelChainFlushRepaired: someone else flushing one of kproxy's
+// chains (a service's cluster chain, its external chain that node-port
+// traffic takes, the node-port dispatch) or deleting one rule of
+// KPROXY-SERVICES breaks that service's traffic until the first sync once
+// half the canary interval has passed since the last check, although
+// nothing changed: that sync is full and the traffic flows again.
+func TestRealKernelChainFlushRepaired(t *testing.T) {
+	for _, variant := range faultVariants {
+		t.Run(variant, func(t *testing.T) {
+			t.Parallel()
+			ft := newFaultTopo(t, variant)
+			iptables := func(args ...string) {
+				ft.node.Run(t, "iptables-"+variant, append([]string{"-w", "5", "-t", "nat"}, args...)...)
+			}
+			web := pt.ServicePortNameOf(ft.service("web", realWeb), "p")
+			for _, tc := range []struct {
+				name   string
+				damage func()
+				// broken is a flow that fails after the damage.
+				from string
+				to   netip.AddrPort
+			}{
+				{name: "-F of web's service chain", damage: func() { iptables("-F", servicePortChain(kindCluster, web)) },
+					from: "pod", to: ft.clusterIP(realWeb)},
+				{name: "-F of web's external chain", damage: func() { iptables("-F", servicePortChain(kindExternal, web)) },
+					from: "client", to: ft.nodePort(30010)},
+				{name: "-F of KPROXY-NODEPORTS", damage: func() { iptables("-F", chainNodePorts) },
+					from: "client", to: ft.nodePort(30010)},
+				{name: "-D of web's rule in KPROXY-SERVICES", damage: func() {
+					dst := "-d " + ft.clusterIP(realWeb).Addr().String() + "/"
+					for _, line := range strings.Split(ft.node.Run(t, "iptables-"+variant, "-w", "5", "-t", "nat", "-S", chainServices), "\n") {
+						if strings.Contains(line, dst) {
+							args, err := ipt.SplitArgs(strings.TrimPrefix(line, "-A "+chainServices+" "))
+							if err != nil {
+								t.Fatal(err)
+							}
+							iptables(append([]string{"-D", chainServices}, args...)...)
+							return
+						}
+					}
+					t.Fatalf("no rule for %s in %s", dst, chainServices)
+				}, from: "pod", to: ft.clusterIP(realWeb)},
+			} {
+				tc.damage()
+				ft.expectFailure(t, tc.name, tc.from, tc.to)
+				ft.clock.Step(DefaultCanaryInterval / 2)
+				if st := ft.sync(t); !st.Full {
+					t.Errorf("after the %s the sync was not full", tc.name)
+				}
+				ft.healthy(t)
+			}
+		})
+	}
+}
+
+// expectFailure checks that a request from a sender to addr fails: it
+// times out or is refused (by the node itself, for a node port no longer
+// DNATed).
+func (topo *realTopo) expectFailure(t *testing.T, what, from string, to netip.AddrPort) {
+	t.Helper()
+	ns, _ := topo.sender(t, from)
+	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
+	defer cancel()
+	if reply, err := netnstest.Request(ctx, ns, topo.fam.tcp, to.String()); err == nil {
+		t.Errorf("after the %s: request to %s = %q; want it to fail", what, to, reply)
 	}
 }

@@ -352,6 +352,29 @@ func (f *Fake) ListRules(ctx context.Context, table iptables.Table, chains ...ip
 	return out, nil
 }
 
+// ChainUse implements Interface: each chain's rules plus the rules of the
+// table that jump or go to it, as nf_tables counts them.
+func (f *Fake) ChainUse(ctx context.Context, table iptables.Table) (map[string]int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	t, err := f.table(ctx, table)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]int, len(t.chains))
+	for name, c := range t.chains {
+		out[string(name)] += len(c.rules)
+		for _, r := range c.rules {
+			if tg := r.rule.Target; tg != nil && tg.Chain {
+				if _, ok := t.chains[iptables.Chain(tg.Name)]; ok {
+					out[tg.Name]++
+				}
+			}
+		}
+	}
+	return out, nil
+}
+
 // SetRefusal makes the fake refuse, as a kernel refuses a rule it cannot
 // load (a match module it lacks, a value it rejects), every rule added by
 // Restore or EnsureRule for which refuse returns an error: the rule's table
