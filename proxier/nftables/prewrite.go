@@ -1,6 +1,7 @@
 package nftables
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"slices"
@@ -37,9 +38,10 @@ type preWriter struct {
 	// adds, n their number of slots.
 	pending []*destRender
 	n       int
-	strs    stringCache
-	// retryStrs is the goroutine's, for the chunks it builds again.
-	retryStrs stringCache
+	// headerText is header as nft's input; strs are the goroutine's, for
+	// the chunks it builds as knftables objects.
+	headerText string
+	strs       stringCache
 	// emitted are the destinations offer took, with the hash and counts
 	// of their slots: the main transaction treats them as the table's
 	// (and rewrites one whose owner turned out to be another) until wait
@@ -50,7 +52,7 @@ type preWriter struct {
 
 	// work carries built chunks to the goroutine that runs them; done
 	// closes when it has stopped (work closed, or a failure: err).
-	work chan preChunk
+	work chan []*destRender
 	done chan struct{}
 	// Written by the goroutine, read after done.
 	err                       error
@@ -69,16 +71,28 @@ type preWriter struct {
 	refused map[proxy.ServicePortName]error
 }
 
-// preChunk is one transaction of endpoint slots and the destinations it
-// writes, in order.
-type preChunk struct {
-	drs []*destRender
-	tx  *knftables.Transaction
+// textTx is a transaction of endpoint slots that kproxy writes as nft's
+// input itself (write), and the same as knftables objects (build), built
+// only when needed: by an interface that cannot take text, or to find what
+// nft refused.
+type textTx struct {
+	write func(w *bufio.Writer) error
+	build func() *knftables.Transaction
+}
+
+// textRunner is a knftables.Interface that runs a textTx from its text
+// (execNFT).
+type textRunner interface {
+	runText(ctx context.Context, t *textTx) error
 }
 
 func newPreWriter(ctx context.Context, b *Backend, header []knftables.Object) *preWriter {
-	return &preWriter{b: b, ctx: ctx, chunk: b.endpointChunk(), header: header, emitted: map[destKey]destInfo{},
-		written: map[destKey]destInfo{}, refused: map[proxy.ServicePortName]error{}}
+	tx := b.nft.NewTransaction()
+	for _, o := range header {
+		tx.Add(o)
+	}
+	return &preWriter{b: b, ctx: ctx, chunk: b.endpointChunk(), header: header, headerText: tx.String(),
+		emitted: map[destKey]destInfo{}, written: map[destKey]destInfo{}, refused: map[proxy.ServicePortName]error{}}
 }
 
 // offer writes dr's slots unless a destination of the same key was
@@ -126,15 +140,14 @@ func (w *preWriter) unstarted() bool {
 	return true
 }
 
-// build is the transaction of the slots of drs, its strings shared
-// through strs (the goroutine has its own).
-func (w *preWriter) build(drs []*destRender, strs *stringCache) *knftables.Transaction {
+// build is the transaction of the slots of drs as knftables objects.
+func (w *preWriter) build(drs []*destRender) *knftables.Transaction {
 	tx := w.b.nft.NewTransaction()
 	for _, o := range w.header {
 		tx.Add(o)
 	}
 	for _, dr := range drs {
-		objs := dr.endpointObjects(strs)
+		objs := dr.endpointObjects(&w.strs)
 		for i := range objs {
 			tx.Add(&objs[i])
 		}
@@ -142,17 +155,61 @@ func (w *preWriter) build(drs []*destRender, strs *stringCache) *knftables.Trans
 	return tx
 }
 
-// flush hands a transaction of the pending slots to the goroutine that
-// runs them, starting it if it is not running; it waits while that
-// goroutine still runs the previous one.
+// writeText writes the transaction of the slots of drs as nft's input:
+// what execNFT sends for build(drs) (the same commands, each run of
+// elements of one map merged into one command), without building a
+// knftables object or a string per element.
+func (w *preWriter) writeText(bw *bufio.Writer, drs []*destRender) error {
+	if _, err := bw.WriteString(w.headerText); err != nil {
+		return err
+	}
+	family, table := w.b.fam.ip, TableName
+	open := "" // the map of the open command, "" when none is open
+	var buf []byte
+	for _, dr := range drs {
+		if len(dr.eps[0])+len(dr.eps[1]) == 0 {
+			continue
+		}
+		set := dr.key.endpointsMap()
+		if set != open {
+			if open != "" {
+				buf = append(buf, " }\n"...)
+			}
+			buf = append(buf, "add element "...)
+			buf = append(buf, family...)
+			buf = append(buf, ' ')
+			buf = append(buf, table...)
+			buf = append(buf, ' ')
+			buf = append(buf, set...)
+			buf = append(buf, " { "...)
+			open = set
+		} else {
+			buf = append(buf, ", "...)
+		}
+		buf = dr.appendEndpointElements(buf)
+		if _, err := bw.Write(buf); err != nil {
+			return err
+		}
+		buf = buf[:0]
+	}
+	if open != "" {
+		_, err := bw.WriteString(" }\n")
+		return err
+	}
+	return nil
+}
+
+// flush hands the pending slots to the goroutine that writes them,
+// starting it if it is not running; it waits while that goroutine still
+// runs the previous chunk.
 func (w *preWriter) flush() error {
 	if len(w.pending) == 0 {
 		return nil
 	}
-	c := preChunk{drs: w.pending, tx: w.build(w.pending, &w.strs)}
+	c := w.pending
 	w.pending, w.n = nil, 0
 	if w.work == nil {
-		w.work = make(chan preChunk)
+		w.work = make(chan []*destRender)
 		w.done = make(chan struct{})
 		w.err = nil
 		w.started = true
@@ -166,34 +223,38 @@ func (w *preWriter) flush() error {
 	}
 }
 
-func (w *preWriter) run(work <-chan preChunk, done chan<- struct{}) {
+func (w *preWriter) run(work <-chan []*destRender, done chan<- struct{}) {
 	defer close(done)
-	for c := range work {
-		if err := w.runChunk(c); err != nil {
+	for drs := range work {
+		if err := w.runChunk(drs); err != nil {
 			w.err = fmt.Errorf("endpoint slots: %w", err)
 			return
 		}
 	}
 }
 
-// runChunk runs one chunk. When nft refuses it for some destinations'
-// slots, their service ports are refused and the chunk runs again
-// without them.
-func (w *preWriter) runChunk(c preChunk) error {
-	drs, tx := c.drs, c.tx
+// runChunk writes the slots of drs in one transaction: as text when the
+// interface takes it (textRunner), else, and to find what nft refused, as
+// knftables objects. When nft refuses some destinations' slots, their
+// service ports are refused and the chunk runs again without them.
+func (w *preWriter) runChunk(drs []*destRender) error {
+	if tr, ok := w.b.nft.(textRunner); ok {
+		err := w.timed(func() error {
+			return tr.runText(w.ctx, &textTx{
+				write: func(bw *bufio.Writer) error { return w.writeText(bw, drs) },
+				build: func() *knftables.Transaction { return w.build(drs) },
+			})
+		}, drs)
+		if err == nil || notARefusal(w.ctx, err) {
+			return err
+		}
+		// Refused: the same as a transaction, whose error names its
+		// lines.
+	}
+	tx := w.build(drs)
 	for {
-		w.operations += tx.NumOperations()
-		start := w.b.clock.Now()
-		err := w.b.nft.Run(w.ctx, tx)
-		w.kernelTime += w.b.clock.Since(start)
-		w.ran++
+		err := w.timed(func() error { return w.b.nft.Run(w.ctx, tx) }, drs)
 		if err == nil {
-			w.mu.Lock()
-			for _, dr := range drs {
-				w.written[dr.key] = destInfo{hash: dr.hash, counts: dr.counts()}
-				w.elements += len(dr.eps[0]) + len(dr.eps[1])
-			}
-			w.mu.Unlock()
 			return nil
 		}
 		bad, ferr := w.refusedIn(drs, tx, err)
@@ -209,8 +270,32 @@ func (w *preWriter) runChunk(c preChunk) error {
 		if len(drs) == 0 {
 			return nil
 		}
-		tx = w.build(drs, &w.retryStrs)
+		tx = w.build(drs)
 	}
+}
+
+// timed runs one transaction of the slots of drs (run), counting it; when
+// it succeeds the slots are the table's.
+func (w *preWriter) timed(run func() error, drs []*destRender) error {
+	elements := 0
+	for _, dr := range drs {
+		elements += len(dr.eps[0]) + len(dr.eps[1])
+	}
+	w.operations += len(w.header) + elements
+	start := w.b.clock.Now()
+	err := run()
+	w.kernelTime += w.b.clock.Since(start)
+	w.ran++
+	if err != nil {
+		return err
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, dr := range drs {
+		w.written[dr.key] = destInfo{hash: dr.hash, counts: dr.counts()}
+	}
+	w.elements += elements
+	return nil
 }
 
 // refusedIn finds the service ports whose slots in drs nft refused (err):
@@ -250,7 +335,7 @@ func (w *preWriter) refusedIn(drs []*destRender, tx *knftables.Transaction, err 
 	}
 	slices.SortFunc(units, proxy.ServicePortName.Compare)
 	return bisectRefused(w.ctx, w.b.nft, units, err, func(accepted []proxy.ServicePortName) *knftables.Transaction {
-		return w.build(slices.DeleteFunc(slices.Clone(drs), func(dr *destRender) bool { return !slices.Contains(accepted, dr.owner) }), &w.retryStrs)
+		return w.build(slices.DeleteFunc(slices.Clone(drs), func(dr *destRender) bool { return !slices.Contains(accepted, dr.owner) }))
 	})
 }
 

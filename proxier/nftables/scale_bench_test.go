@@ -172,8 +172,9 @@ type benchNFT struct {
 	*nsNFT
 	runTime, checkTime, listTime time.Duration
 	lists                        int
-	ran                          []*knftables.Transaction
-	mirror                       *memNFT
+	// ran renders each transaction's text (as knftables would).
+	ran    []func() string
+	mirror *memNFT
 	// unmerged: the interface sends transactions unmerged.
 	unmerged bool
 }
@@ -199,7 +200,17 @@ func (n *benchNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
 	err := n.nsNFT.Run(ctx, tx)
 	n.runTime += time.Since(start)
 	if err == nil {
-		n.ran = append(n.ran, tx)
+		n.ran = append(n.ran, tx.String)
+	}
+	return err
+}
+
+func (n *benchNFT) runText(ctx context.Context, t *textTx) error {
+	start := time.Now()
+	err := n.nsNFT.runText(ctx, t)
+	n.runTime += time.Since(start)
+	if err == nil {
+		n.ran = append(n.ran, func() string { return t.build().String() })
 	}
 	return err
 }
@@ -245,8 +256,8 @@ func (n *benchNFT) ListCounters(ctx context.Context) ([]*knftables.Counter, erro
 func (n *benchNFT) take(tb testing.TB) []string {
 	tb.Helper()
 	var out []string
-	for _, tx := range n.ran {
-		text := tx.String()
+	for _, render := range n.ran {
+		text := render()
 		if n.mirror != nil {
 			if err := n.mirror.apply(text); err != nil {
 				tb.Fatal(err)
