@@ -19,7 +19,9 @@ import (
 
 // execNFT is the knftables.Interface the agent uses: knftables' own for
 // everything but Run and Check, which pipe the transaction to "nft -f -"
-// (as knftables does) with its element commands merged (mergeElements).
+// (as knftables does) with its element commands merged (mergeElements);
+// runText pipes the text kproxy writes itself (textRunner: a full sync's
+// endpoint slots written ahead, preWriter).
 // Its errors are knftables' kind: knftables.IsNotFound and
 // IsAlreadyExists classify them as they would knftables' own, and a
 // position nft reports in the merged text is mapped back to the
