@@ -4,8 +4,8 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"maps"
 	"slices"
-	"sync"
 	"time"
 
 	"sigs.k8s.io/knftables"
@@ -13,18 +13,13 @@ import (
 	"github.com/kproxy/kproxy/pkg/proxy"
 )
 
-// preWriter writes endpoint slots ahead of a full sync's main transaction,
-// in transactions of at most its chunk of elements, while the sync goes on:
-// nft runs one chunk (in a goroutine of the preWriter's, one transaction at
-// a time) while the sync renders and builds the next, so a full sync's own
-// CPU hides behind nft's instead of adding to it. Nothing leads to the
-// slots it writes until the main transaction adds their dispatch elements,
-// so traffic still sees the sync as one change.
-//
-// Two sources feed it: a fresh table's destinations as the services render
-// (offer), and a full sync's destinations the table does not dispatch to
-// yet (add). At most two chunks exist at once: the one nft runs and the one
-// being built.
+// preWriter writes endpoint slots ahead of a full sync's main
+// transaction, in transactions of at most its chunk of elements: the
+// destinations the table does not dispatch to yet (add). Nothing leads to
+// the slots it writes until the main transaction adds their dispatch
+// elements, so traffic still sees the sync as one change, and no
+// transaction holds them all. A chunk is written as nft's text
+// (writeText), without a knftables object per element.
 type preWriter struct {
 	b   *Backend
 	ctx context.Context
@@ -38,30 +33,13 @@ type preWriter struct {
 	// adds, n their number of slots.
 	pending []*destRender
 	n       int
-	// headerText is header as nft's input; strs are the goroutine's, for
-	// the chunks it builds as knftables objects.
+	// headerText is header as nft's input; strs are shared by the chunks
+	// built as knftables objects.
 	headerText string
 	strs       stringCache
-	// emitted are the destinations offer took, with the hash and counts
-	// of their slots: the main transaction treats them as the table's
-	// (and rewrites one whose owner turned out to be another) until wait
-	// says which were written.
-	emitted map[destKey]destInfo
-	// started: a chunk was handed to the goroutine.
-	started bool
-
-	// work carries built chunks to the goroutine that runs them; done
-	// closes when it has stopped (work closed, or a failure: err).
-	work chan []*destRender
-	done chan struct{}
-	// Written by the goroutine, read after done.
-	err                       error
+	// What was run, for the sync's stats.
 	operations, ran, elements int
 	kernelTime                time.Duration
-
-	// mu guards written and refused, which the goroutine fills while
-	// add reads refused.
-	mu sync.Mutex
 	// written are the destinations whose slots a transaction wrote, with
 	// their hash and counts: the table's now.
 	written map[destKey]destInfo
@@ -92,25 +70,14 @@ func newPreWriter(ctx context.Context, b *Backend, header []knftables.Object) *p
 		tx.Add(o)
 	}
 	return &preWriter{b: b, ctx: ctx, chunk: b.endpointChunk(), header: header, headerText: tx.String(),
-		emitted: map[destKey]destInfo{}, written: map[destKey]destInfo{}, refused: map[proxy.ServicePortName]error{}}
-}
-
-// offer writes dr's slots unless a destination of the same key was
-// written already (two services claiming one address and port: the main
-// transaction settles which one owns it).
-func (w *preWriter) offer(dr *destRender) error {
-	if _, ok := w.emitted[dr.key]; ok {
-		return nil
-	}
-	w.emitted[dr.key] = destInfo{hash: dr.hash, counts: dr.counts()}
-	return w.add(dr)
+		written: map[destKey]destInfo{}, refused: map[proxy.ServicePortName]error{}}
 }
 
 // add writes dr's slots, unless nft refused its service port's already.
 // They wait until a chunk's worth has come.
 func (w *preWriter) add(dr *destRender) error {
 	n := len(dr.eps[0]) + len(dr.eps[1])
-	if n == 0 || w.isRefused(dr.owner) {
+	if _, out := w.refused[dr.owner]; n == 0 || out {
 		return nil
 	}
 	w.pending = append(w.pending, dr)
@@ -119,25 +86,6 @@ func (w *preWriter) add(dr *destRender) error {
 		return w.flush()
 	}
 	return nil
-}
-
-func (w *preWriter) isRefused(name proxy.ServicePortName) bool {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	_, ok := w.refused[name]
-	return ok
-}
-
-// unstarted gives back what offer and add were given when not one chunk
-// came of it (nothing was written): a small table's slots go in its main
-// transaction, which needs no other.
-func (w *preWriter) unstarted() bool {
-	if w.started {
-		return false
-	}
-	w.pending, w.n = nil, 0
-	clear(w.emitted)
-	return true
 }
 
 // build is the transaction of the slots of drs as knftables objects.
@@ -199,38 +147,17 @@ func (w *preWriter) writeText(bw *bufio.Writer, drs []*destRender) error {
 	return nil
 }
 
-// flush hands the pending slots to the goroutine that writes them,
-// starting it if it is not running; it waits while that goroutine still
-// runs the previous chunk.
+// flush writes the pending slots.
 func (w *preWriter) flush() error {
 	if len(w.pending) == 0 {
 		return nil
 	}
-	c := w.pending
+	drs := w.pending
 	w.pending, w.n = nil, 0
-	if w.work == nil {
-		w.work = make(chan []*destRender)
-		w.done = make(chan struct{})
-		w.err = nil
-		w.started = true
-		go w.run(w.work, w.done)
+	if err := w.runChunk(drs); err != nil {
+		return fmt.Errorf("endpoint slots: %w", err)
 	}
-	select {
-	case w.work <- c:
-		return nil
-	case <-w.done:
-		return w.err
-	}
-}
-
-func (w *preWriter) run(work <-chan []*destRender, done chan<- struct{}) {
-	defer close(done)
-	for drs := range work {
-		if err := w.runChunk(drs); err != nil {
-			w.err = fmt.Errorf("endpoint slots: %w", err)
-			return
-		}
-	}
+	return nil
 }
 
 // runChunk writes the slots of drs in one transaction: as text when the
@@ -261,11 +188,7 @@ func (w *preWriter) runChunk(drs []*destRender) error {
 		if ferr != nil {
 			return ferr
 		}
-		w.mu.Lock()
-		for name, e := range bad {
-			w.refused[name] = e
-		}
-		w.mu.Unlock()
+		maps.Copy(w.refused, bad)
 		drs = slices.DeleteFunc(slices.Clone(drs), func(dr *destRender) bool { _, out := bad[dr.owner]; return out })
 		if len(drs) == 0 {
 			return nil
@@ -289,8 +212,6 @@ func (w *preWriter) timed(run func() error, drs []*destRender) error {
 	if err != nil {
 		return err
 	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
 	for _, dr := range drs {
 		w.written[dr.key] = destInfo{hash: dr.hash, counts: dr.counts()}
 	}
@@ -339,34 +260,15 @@ func (w *preWriter) refusedIn(drs []*destRender, tx *knftables.Transaction, err 
 	})
 }
 
-// wait writes what is left and waits for every transaction to have run;
-// it returns the first failure that is not a refusal of some service
-// ports' slots (those are in refused). It adds what was written to st.
+// wait writes what is left; it returns the first failure that is not a
+// refusal of some service ports' slots (those are in refused). It adds
+// what was written to st.
 func (w *preWriter) wait(st *SyncStats) error {
 	err := w.flush()
-	if w.work != nil {
-		close(w.work)
-		<-w.done
-		w.work = nil
-	}
 	st.ElementsAdded += w.elements
 	st.Operations += w.operations
 	st.KernelTime += w.kernelTime
 	st.Transactions += w.ran
 	w.elements, w.operations, w.kernelTime, w.ran = 0, 0, 0, 0
-	if err != nil {
-		return err
-	}
-	return w.err
-}
-
-// stop ends the goroutine without writing what is left (a sync that
-// failed before its main transaction); idempotent.
-func (w *preWriter) stop() {
-	w.pending, w.n = nil, 0
-	if w.work != nil {
-		close(w.work)
-		<-w.done
-		w.work = nil
-	}
+	return err
 }

@@ -17,7 +17,7 @@ import (
 )
 
 // TestFreshTableWritesSlotsAhead: the first sync into a table that is not
-// there writes the endpoint slots in chunks while the services render
+// there writes the endpoint slots in chunks ahead of its main transaction
 // (preWriter), and leaves the table a one-transaction sync writes,
 // element for element; a failed chunk fails the sync, and the next one
 // repairs the table.
