@@ -556,18 +556,6 @@ func (b *Backend) endpointChunk() int {
 	return DefaultEndpointChunk
 }
 
-// freshHeader are the objects a fresh table's first transactions add: the
-// table and its endpoints maps.
-func freshHeader(l *layout) []knftables.Object {
-	header := []knftables.Object{&knftables.Table{Comment: knftables.PtrTo("rules for kproxy")}}
-	for _, sd := range l.sets() {
-		if sd.big {
-			header = append(header, sd.object())
-		}
-	}
-	return header
-}
-
 // errUnknownServices: a partial sync was given service ports it never saw
 // that the state does not name as changed; a full sync renders them.
 var errUnknownServices = errors.New("the state has service ports that are neither known nor changed")
@@ -609,13 +597,10 @@ func newKernelState() *kernelState {
 // still has its rules. It never lists rules: nft reads every set element of
 // the table to do so. An error means the table cannot be trusted (or read):
 // the caller rebuilds it.
-func (b *Backend) readKernel(ctx context.Context, l *layout, chains []*chainDef, want *tableState, names *kernelState) (*kernelState, error) {
-	k := names
-	if k == nil {
-		var err error
-		if k, err = b.readNames(ctx); err != nil {
-			return nil, err
-		}
+func (b *Backend) readKernel(ctx context.Context, l *layout, chains []*chainDef, want *tableState) (*kernelState, error) {
+	k, err := b.readNames(ctx)
+	if err != nil {
+		return nil, err
 	}
 	if !k.exists {
 		return k, nil

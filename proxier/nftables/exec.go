@@ -19,7 +19,9 @@ import (
 
 // execNFT is the knftables.Interface the agent uses: knftables' own for
 // everything but Run and Check, which pipe the transaction to "nft -f -"
-// (as knftables does) with its element commands merged (mergeElements).
+// (as knftables does) with its element commands merged (mergeElements);
+// runText pipes the text kproxy writes itself (textRunner: a full sync's
+// endpoint slots written ahead, preWriter).
 // Its errors are knftables' kind: knftables.IsNotFound and
 // IsAlreadyExists classify them as they would knftables' own, and a
 // position nft reports in the merged text is mapped back to the
@@ -34,9 +36,9 @@ type execNFT struct {
 	timeout time.Duration
 	// noMerge sends the transaction as knftables renders it.
 	noMerge bool
-	// start starts nft (tests start it in a network namespace); nil is
+	// startCmd starts nft (tests start it in a network namespace); nil is
 	// cmd.Start.
-	start func(*exec.Cmd) error
+	startCmd func(*exec.Cmd) error
 	// notFound and exists carry knftables' classification of an error
 	// (knftables.IsNotFound, IsAlreadyExists) into execNFT's.
 	notFound, exists error
@@ -113,21 +115,81 @@ func (n *execNFT) Check(ctx context.Context, tx *knftables.Transaction) error {
 }
 
 func (n *execNFT) run(ctx context.Context, tx *knftables.Transaction, check bool) error {
+	// nft starts while the transaction renders.
+	r, err := n.start(ctx, check)
+	if err != nil {
+		return err
+	}
+	text := tx.String()
+	// A transaction with a pending error (an invalid operation) renders it
+	// as a last comment line; knftables returns that error without running
+	// nft. nft gets an empty input, which changes nothing.
+	if strings.HasPrefix(text, "# ERROR: ") || strings.Contains(text, "\n# ERROR: ") {
+		_, _ = r.finish(nil)
+		if check {
+			return n.Interface.Check(ctx, tx)
+		}
+		return n.Interface.Run(ctx, tx)
+	}
+	// nft reads its whole input before it runs it; the merged text is
+	// written as it reads, never held whole.
+	errText, err := r.finish(func(w *bufio.Writer) error {
+		if n.noMerge {
+			_, err := w.WriteString(text)
+			return err
+		}
+		return mergeElements(w, text)
+	})
+	if err != nil && errText != "" {
+		return n.wrapError(err, errText, text)
+	}
+	return err
+}
+
+// runText runs a transaction kproxy wrote as nft's input itself
+// (textRunner). Its error names the lines of that input.
+func (n *execNFT) runText(ctx context.Context, t *textTx) error {
+	r, err := n.start(ctx, false)
+	if err != nil {
+		return err
+	}
+	errText, err := r.finish(t.write)
+	if err != nil && errText != "" {
+		return n.wrapError(err, errText, "")
+	}
+	return err
+}
+
+// nftRun is one nft process started by execNFT.start, reading its input
+// from stdin.
+type nftRun struct {
+	ctx     context.Context
+	cancel  context.CancelFunc
+	cmd     *exec.Cmd
+	stdin   io.WriteCloser
+	stderr  chan string
+	began   time.Time
+	timeout time.Duration
+}
+
+// start starts "nft -f -" (with --check when check is set) under ctx and
+// the interface's timeout.
+func (n *execNFT) start(ctx context.Context, check bool) (*nftRun, error) {
 	args := []string{"-f", "-"}
 	if check {
 		args = []string{"--check", "-f", "-"}
 	}
 	if err := ctx.Err(); err != nil {
-		return err
+		return nil, err
 	}
 	timeout := n.timeout
 	if timeout <= 0 {
 		timeout = defaultNFTTimeout
 	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	start := time.Now()
-	cmd := deadline.Command(ctx, n.path, args...)
+	r := &nftRun{began: time.Now(), timeout: timeout}
+	r.ctx, r.cancel = context.WithTimeout(ctx, timeout)
+	cmd := deadline.Command(r.ctx, n.path, args...)
+	cmd.Env = nftEnv(os.Environ())
 	// nft's stderr is a pipe read to its end (by a goroutine parked in
 	// the netpoller) before kproxy waits for nft. Waiting in wait4 while
 	// nft runs (as os/exec's Run does) keeps a P in a system call, and
@@ -136,69 +198,104 @@ func (n *execNFT) run(ctx context.Context, tx *knftables.Transaction, check bool
 	// (BenchmarkNFTablesSync, change-kproxy-cpu-ms 2.30 before, 1.4 after).
 	errR, errW, err := os.Pipe()
 	if err != nil {
-		return fmt.Errorf("running nft: %w", err)
+		r.cancel()
+		return nil, fmt.Errorf("running nft: %w", err)
 	}
-	defer errR.Close()
 	cmd.Stderr = errW
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		_ = errW.Close()
-		return fmt.Errorf("running nft: %w", err)
+		_ = errR.Close()
+		r.cancel()
+		return nil, fmt.Errorf("running nft: %w", err)
 	}
-	// nft starts while the transaction renders.
-	if n.start != nil {
-		err = n.start(cmd)
+	if n.startCmd != nil {
+		err = n.startCmd(cmd)
 	} else {
 		err = cmd.Start()
 	}
 	_ = errW.Close()
 	if err != nil {
-		return fmt.Errorf("running nft: %w", err)
+		_ = errR.Close()
+		r.cancel()
+		return nil, fmt.Errorf("running nft: %w", err)
 	}
-	stderr := make(chan string, 1)
+	r.cmd, r.stdin = cmd, stdin
+	r.stderr = make(chan string, 1)
 	go func() {
+		defer errR.Close()
 		b, _ := io.ReadAll(errR)
-		stderr <- string(b)
+		r.stderr <- string(b)
 	}()
-	text := tx.String()
-	// A transaction with a pending error (an invalid operation) renders it
-	// as a last comment line; knftables returns that error without running
-	// nft. nft gets an empty input, which changes nothing.
-	if strings.HasPrefix(text, "# ERROR: ") || strings.Contains(text, "\n# ERROR: ") {
-		_ = stdin.Close()
-		<-stderr
-		_ = cmd.Wait()
-		if check {
-			return n.Interface.Check(ctx, tx)
-		}
-		return n.Interface.Run(ctx, tx)
-	}
-	// nft reads its whole input before it runs it; the merged text is
-	// written as it reads, never held whole.
-	w := bufio.NewWriterSize(stdin, 64<<10)
+	return r, nil
+}
+
+// finish writes nft's input with write (nil: none), closes it and waits
+// for nft. It returns nft's error output when nft failed, and the error:
+// a deadline.Error when the run's deadline passed, else nft's exit status
+// or a failed write.
+func (r *nftRun) finish(write func(*bufio.Writer) error) (string, error) {
+	defer r.cancel()
 	var werr error
-	if n.noMerge {
-		_, werr = w.WriteString(text)
-	} else {
-		werr = mergeElements(w, text)
+	if write != nil {
+		w := bufio.NewWriterSize(r.stdin, 64<<10)
+		werr = write(w)
+		if werr == nil {
+			werr = w.Flush()
+		}
 	}
-	if werr == nil {
-		werr = w.Flush()
-	}
-	if cerr := stdin.Close(); werr == nil {
+	if cerr := r.stdin.Close(); werr == nil {
 		werr = cerr
 	}
-	errText := <-stderr
-	if err := cmd.Wait(); err != nil {
-		if ctx.Err() != nil {
-			return deadline.CommandError(ctx, "nft", timeout, time.Since(start), strings.TrimSpace(errText), err)
+	errText := <-r.stderr
+	if err := r.cmd.Wait(); err != nil {
+		if r.ctx.Err() != nil {
+			return "", deadline.CommandError(r.ctx, "nft", r.timeout, time.Since(r.began), strings.TrimSpace(errText), err)
 		}
-		return n.wrapError(err, errText, text)
+		if errText == "" {
+			return "", &nftError{msg: err.Error(), errs: []error{err}}
+		}
+		return errText, err
 	}
 	if werr != nil {
-		return fmt.Errorf("writing to nft: %w", werr)
+		return "", fmt.Errorf("writing to nft: %w", werr)
 	}
-	return nil
+	return "", nil
+}
+
+// nftMallocTunable asks glibc's malloc in nft for transparent huge pages
+// on its heap (glibc 2.35 or later, with transparent huge pages "always"
+// or "madvise"; older glibc, other C libraries and "never" ignore it). nft
+// keeps what it parses of a transaction until it is done, about 2 KiB per
+// element (40 MiB for a 16,384-slot chunk), so without it a large
+// transaction grows nft's heap one 4 KiB page fault at a time: at 10,000
+// services x 10 endpoints those faults were half of nft's CPU in a full
+// sync (docs/design.md, "nftables backend": Talking to nft).
+const nftMallocTunable = "glibc.malloc.hugetlb=1"
+
+// nftEnv is the environment nft runs in: the agent's, with
+// nftMallocTunable added to GLIBC_TUNABLES unless that already sets
+// glibc.malloc.hugetlb (an operator's choice wins).
+func nftEnv(env []string) []string {
+	const key = "GLIBC_TUNABLES="
+	out := make([]string, 0, len(env)+1)
+	found := false
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, key); ok {
+			found = true
+			if !strings.Contains(v, "glibc.malloc.hugetlb=") {
+				if v != "" {
+					v += ":"
+				}
+				kv = key + v + nftMallocTunable
+			}
+		}
+		out = append(out, kv)
+	}
+	if !found {
+		out = append(out, key+nftMallocTunable)
+	}
+	return out
 }
 
 // nftError is a failed nft run: its message, and knftables' kind of
@@ -227,7 +324,7 @@ func (n *execNFT) wrapError(err error, stderr, text string) error {
 	case strings.Contains(first, "File exists"):
 		e.errs = append(e.errs, n.exists)
 	}
-	if n.noMerge {
+	if n.noMerge || text == "" {
 		e.msg = stderr
 	} else {
 		e.msg = mapPositions(stderr, text)

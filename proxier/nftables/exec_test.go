@@ -293,3 +293,23 @@ func TestExecNFTErrors(t *testing.T) {
 		})
 	}
 }
+
+func TestNFTEnv(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		env  []string
+		want []string
+	}{
+		{name: "no tunables", env: []string{"PATH=/bin"}, want: []string{"PATH=/bin", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"}},
+		{name: "other tunables", env: []string{"GLIBC_TUNABLES=glibc.malloc.arena_max=2", "HOME=/"},
+			want: []string{"GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "HOME=/"}},
+		{name: "empty tunables", env: []string{"GLIBC_TUNABLES="}, want: []string{"GLIBC_TUNABLES=glibc.malloc.hugetlb=1"}},
+		{name: "operator's hugetlb wins", env: []string{"GLIBC_TUNABLES=glibc.malloc.hugetlb=0"}, want: []string{"GLIBC_TUNABLES=glibc.malloc.hugetlb=0"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := nftEnv(tc.env); !slices.Equal(got, tc.want) {
+				t.Errorf("nftEnv(%q) = %q, want %q", tc.env, got, tc.want)
+			}
+		})
+	}
+}

@@ -25,10 +25,8 @@ type fullSync struct {
 	st    *SyncStats
 	// prev are the endpoint slots of the last state (nil: none).
 	prev slotsOf
-	// pw writes endpoint slots ahead of the main transaction; offered: it
-	// took a fresh table's slots as the services rendered.
-	pw      *preWriter
-	offered bool
+	// pw writes endpoint slots ahead of the main transaction.
+	pw *preWriter
 	// renders are the service ports' renders; refused those set aside
 	// (their render failed, or nft refused their changes) and kept what
 	// each of those keeps: what the table has for it (nil: nothing).
@@ -52,36 +50,17 @@ func (f *fullSync) rebuild() bool { return f.st.Mode == modeRebuild }
 // be rendered, or whose elements nft refuses, are set aside: they keep
 // what the table has for them, and the rest is written in the same sync.
 // It returns the new state.
-func (b *Backend) syncFull(ctx context.Context, l *layout, state *proxy.NodeState, npIPs map[netip.Addr]bool, mode string, st *SyncStats) (*tableState, error) {
+func (b *Backend) syncFull(ctx context.Context, l *layout, state *proxy.NodeState, npIPs map[netip.Addr]bool, st *SyncStats) (*tableState, error) {
 	f := &fullSync{b: b, l: l, state: state, npIPs: npIPs, st: st,
 		refused: map[proxy.ServicePortName]error{}, kept: map[proxy.ServicePortName]*renderedService{}}
-	var names *kernelState
-	if mode == modeReconcile && b.state == nil {
-		// The first sync since kproxy started: a table that is not there
-		// yet gets its endpoint slots as the services render
-		// (preWriter.offer), while nft writes them.
-		var err error
-		if names, err = b.readNames(ctx); err != nil {
-			names = nil
-		} else if !names.exists {
-			f.pw, f.offered = newPreWriter(ctx, b, freshHeader(l)), true
-		}
-	}
-	defer func() {
-		if f.pw != nil {
-			f.pw.stop()
-		}
-	}()
 	// A full sync renders everything again: the old state goes first, so
 	// that the two are never held together (a failed sync drops it
 	// anyway), but for its endpoint slots, which the new renders keep.
 	f.prev = b.state.slotsOnly()
 	b.state = nil
-	if err := f.renderAll(); err != nil {
-		return nil, fmt.Errorf("nftables %s sync: %w", st.Mode, err)
-	}
+	f.renderAll()
 	next := f.build(nil)
-	if err := f.read(ctx, next, names); err != nil {
+	if err := f.read(ctx, next); err != nil {
 		return nil, err
 	}
 	if len(f.refused) > 0 {
@@ -96,12 +75,9 @@ func (b *Backend) syncFull(ctx context.Context, l *layout, state *proxy.NodeStat
 		if err := f.writeAhead(ctx, p); err != nil {
 			return nil, fmt.Errorf("nftables %s sync: %w", st.Mode, err)
 		}
-		// The main transaction is built while nft writes the last slots.
-		var ps SyncStats
-		tx := p.transaction(b.nft, isMap, &ps)
 		if f.pw != nil {
 			err := f.pw.wait(st)
-			f.absorbWritten()
+			maps.Copy(f.k.dests, f.pw.written)
 			if err != nil {
 				return nil, fmt.Errorf("nftables %s sync: %w", st.Mode, err)
 			}
@@ -120,6 +96,8 @@ func (b *Backend) syncFull(ctx context.Context, l *layout, state *proxy.NodeStat
 				continue
 			}
 		}
+		var ps SyncStats
+		tx := p.transaction(b.nft, isMap, &ps)
 		if tx.NumOperations() == 0 {
 			break
 		}
@@ -145,9 +123,9 @@ func (b *Backend) syncFull(ctx context.Context, l *layout, state *proxy.NodeStat
 	return next, nil
 }
 
-// renderAll renders every service port (offering a fresh table's slots to
-// the preWriter as they come). One that cannot be rendered is refused.
-func (f *fullSync) renderAll() error {
+// renderAll renders every service port. One that cannot be rendered is
+// refused.
+func (f *fullSync) renderAll() {
 	f.renders = make(map[proxy.ServicePortName]*renderedService, len(f.state.Services))
 	for name, svc := range f.state.Services {
 		rs, err := f.l.render(svc, f.prev)
@@ -156,15 +134,7 @@ func (f *fullSync) renderAll() error {
 			continue
 		}
 		f.renders[name] = rs
-		if f.offered {
-			for _, dr := range rs.dests {
-				if err := f.pw.offer(dr); err != nil {
-					return err
-				}
-			}
-		}
 	}
-	return nil
 }
 
 // build is the state of every render but the refused ones' (and skip's),
@@ -192,19 +162,15 @@ func (f *fullSync) build(skip map[proxy.ServicePortName]bool) *tableState {
 
 // read reads the table: a reconcile lists it (readKernel), a rebuild only
 // names its objects. A table that cannot be reconciled is rebuilt.
-func (f *fullSync) read(ctx context.Context, next *tableState, names *kernelState) error {
+func (f *fullSync) read(ctx context.Context, next *tableState) error {
 	logger := klog.FromContext(ctx)
 	b, l := f.b, f.l
 	start := b.clock.Now()
 	defer func() { f.st.ReadTime += b.clock.Since(start) }()
 	var err error
 	chains := append(l.staticChains(), next.sortedChains()...)
-	switch {
-	case f.offered:
-		// The table was not there (names): only what pw writes is.
-		f.k = newKernelState()
-	case !f.rebuild():
-		f.k, err = b.readKernel(ctx, l, chains, next, names)
+	if !f.rebuild() {
+		f.k, err = b.readKernel(ctx, l, chains, next)
 		if err != nil {
 			logger.Info("Cannot reconcile kproxy's nftables table; rebuilding it", "family", b.opts.Family, "err", err)
 			f.st.Mode = modeRebuild
@@ -216,13 +182,9 @@ func (f *fullSync) read(ctx context.Context, next *tableState, names *kernelStat
 			f.k = newKernelState()
 		}
 	}
-	f.listed = !f.rebuild() && !f.offered && f.k.exists && !f.k.trusted
+	f.listed = !f.rebuild() && f.k.exists && !f.k.trusted
 	if !f.rebuild() && !f.k.trusted {
 		next.adoptSlots(f.k.dests)
-	}
-	if f.offered && !f.pw.unstarted() {
-		// What pw writes is the table's, until wait says otherwise.
-		maps.Copy(f.k.dests, f.pw.emitted)
 	}
 	return nil
 }
@@ -239,19 +201,6 @@ func (f *fullSync) toRebuild(ctx context.Context) error {
 	f.k.exists, f.k.chains, f.k.sets = names.exists, names.chains, names.sets
 	f.k.trusted = false
 	return nil
-}
-
-// absorbWritten makes what pw wrote the table's, and what it was offered
-// but did not write not.
-func (f *fullSync) absorbWritten() {
-	if f.offered {
-		for dk := range f.pw.emitted {
-			if _, ok := f.pw.written[dk]; !ok {
-				delete(f.k.dests, dk)
-			}
-		}
-	}
-	maps.Copy(f.k.dests, f.pw.written)
 }
 
 // writeAhead hands the endpoint slots of destinations the table does not

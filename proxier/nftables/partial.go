@@ -24,7 +24,7 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 	if mode == modePartial {
 		next, err = b.syncPartial(ctx, l, state, npIPs, st)
 	} else {
-		next, err = b.syncFull(ctx, l, state, npIPs, mode, st)
+		next, err = b.syncFull(ctx, l, state, npIPs, st)
 	}
 	if err != nil {
 		return err

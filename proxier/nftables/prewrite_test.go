@@ -1,6 +1,7 @@
 package nftables
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"net/netip"
@@ -11,11 +12,12 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	"sigs.k8s.io/knftables"
 
+	"github.com/kproxy/kproxy/pkg/proxy"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
 )
 
 // TestFreshTableWritesSlotsAhead: the first sync into a table that is not
-// there writes the endpoint slots in chunks while the services render
+// there writes the endpoint slots in chunks ahead of its main transaction
 // (preWriter), and leaves the table a one-transaction sync writes,
 // element for element; a failed chunk fails the sync, and the next one
 // repairs the table.
@@ -117,6 +119,72 @@ func TestFreshTableWritesSlotsAhead(t *testing.T) {
 			pt.Sync(t, pt.NewEngine(t, b2, pt.EngineOptions{Env: env, Services: svcs, Slices: sls}))
 			if st := b2.LastSync(); st.Operations != 0 {
 				t.Errorf("restart over the table: %d operations, want none", st.Operations)
+			}
+		})
+	}
+}
+
+// TestPreWriterText: the text the preWriter writes for a chunk is what
+// execNFT sends nft for the same chunk built as knftables objects (its
+// element commands merged), in both families.
+func TestPreWriterText(t *testing.T) {
+	ap := netip.MustParseAddrPort
+	for _, tc := range []struct {
+		name string
+		ipv6 bool
+		drs  []*destRender
+	}{
+		{name: "ipv4: ClusterIP, node port, local slots, empty, other protocol", drs: []*destRender{
+			{key: destKey{addr: netip.MustParseAddr("10.96.0.1"), proto: "tcp", port: 80},
+				eps: [2][]netip.AddrPort{{ap("10.244.0.1:8080"), ap("10.244.0.2:8080")}, {ap("10.244.0.2:8080")}}},
+			{key: destKey{addr: netip.MustParseAddr("10.96.0.2"), proto: "tcp", port: 443},
+				eps: [2][]netip.AddrPort{{ap("10.244.0.3:8443")}}},
+			{key: destKey{nodePort: true, proto: "tcp", port: 30080},
+				eps: [2][]netip.AddrPort{{ap("10.244.0.1:8080")}, {ap("10.244.0.1:8080"), ap("10.244.0.9:65535")}}},
+			{key: destKey{addr: netip.MustParseAddr("10.96.0.3"), proto: "udp", port: 53}},
+			{key: destKey{addr: netip.MustParseAddr("10.96.0.3"), proto: "udp", port: 53},
+				eps: [2][]netip.AddrPort{{ap("10.244.0.4:53")}}},
+			{key: destKey{addr: netip.MustParseAddr("10.96.0.4"), proto: "tcp", port: 80},
+				eps: [2][]netip.AddrPort{{ap("10.244.0.5:80")}}},
+		}},
+		{name: "ipv6", ipv6: true, drs: []*destRender{
+			{key: destKey{addr: netip.MustParseAddr("fd00:96::1"), proto: "sctp", port: 9},
+				eps: [2][]netip.AddrPort{{ap("[fd00:244::1]:9"), ap("[fd00:244::a]:10")}}},
+			{key: destKey{nodePort: true, proto: "sctp", port: 30009},
+				eps: [2][]netip.AddrPort{nil, {ap("[fd00:244::1]:9")}}},
+		}},
+		{name: "no slots at all"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := pt.DefaultEnv()
+			family := knftables.IPv4Family
+			if tc.ipv6 {
+				env.Family, family = v1.IPv6Protocol, knftables.IPv6Family
+			}
+			b, err := New(Options{NFTables: knftables.NewFake(family, TableName), Family: env.Family,
+				LocalAddresses: func() ([]netip.Addr, error) { return nil, nil }})
+			if err != nil {
+				t.Fatal(err)
+			}
+			l := b.layoutFor(&proxy.NodeState{})
+			var header []knftables.Object
+			header = append(header, &knftables.Table{Comment: knftables.PtrTo("rules for kproxy")})
+			for _, sd := range l.sets() {
+				if sd.big {
+					header = append(header, sd.object())
+				}
+			}
+			w := newPreWriter(context.Background(), b, header)
+			var got strings.Builder
+			bw := bufio.NewWriter(&got)
+			if err := w.writeText(bw, tc.drs); err != nil {
+				t.Fatal(err)
+			}
+			if err := bw.Flush(); err != nil {
+				t.Fatal(err)
+			}
+			if want := mergedText(w.build(tc.drs).String()); got.String() != want {
+				t.Errorf("text:\n%s\nwant (the transaction's, merged):\n%s", got.String(), want)
 			}
 		})
 	}

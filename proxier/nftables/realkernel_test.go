@@ -53,7 +53,7 @@ func newNSNFT(ns *netnstest.NS, family v1.IPFamily) (*nsNFT, error) {
 		// Only nft starts in the namespace (a child inherits its
 		// parent thread's); the rest runs as in the agent, whose
 		// threads are all in the node's.
-		e.start = func(cmd *exec.Cmd) error { return ns.Do(cmd.Start) }
+		e.startCmd = func(cmd *exec.Cmd) error { return ns.Do(cmd.Start) }
 	}
 	return n, err
 }
@@ -63,7 +63,7 @@ func newNSNFT(ns *netnstest.NS, family v1.IPFamily) (*nsNFT, error) {
 // a locked thread, costing the process CPU the agent does not spend).
 func (n *nsNFT) startsInNS() bool {
 	e, ok := n.real.(*execNFT)
-	return ok && e.start != nil
+	return ok && e.startCmd != nil
 }
 
 func (n *nsNFT) NewTransaction() *knftables.Transaction { return n.real.NewTransaction() }
@@ -74,6 +74,20 @@ func (n *nsNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
 		return n.real.Run(ctx, tx)
 	}
 	return n.ns.Do(func() error { return n.real.Run(ctx, tx) })
+}
+
+// runText runs t from its text when the real interface takes text (as the
+// agent's does), else as a transaction.
+func (n *nsNFT) runText(ctx context.Context, t *textTx) error {
+	tr, ok := n.real.(textRunner)
+	if !ok {
+		return n.Run(ctx, t.build())
+	}
+	defer n.timed("Run (text)")()
+	if n.startsInNS() {
+		return tr.runText(ctx, t)
+	}
+	return n.ns.Do(func() error { return tr.runText(ctx, t) })
 }
 
 func (n *nsNFT) Check(ctx context.Context, tx *knftables.Transaction) error {
@@ -133,6 +147,17 @@ func (t *teeNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
 		return fmt.Errorf("real nft: %w\ntransaction:\n%s", err, tx.String())
 	}
 	if err := t.fake.Run(ctx, tx); err != nil {
+		return fmt.Errorf("the real nft accepted a transaction the fake refuses: %w", err)
+	}
+	return nil
+}
+
+// runText runs tx's text in the real nft and its transaction in the fake.
+func (t *teeNFT) runText(ctx context.Context, tx *textTx) error {
+	if err := t.nsNFT.runText(ctx, tx); err != nil {
+		return fmt.Errorf("real nft: %w\ntransaction:\n%s", err, tx.build().String())
+	}
+	if err := t.fake.Run(ctx, tx.build()); err != nil {
 		return fmt.Errorf("the real nft accepted a transaction the fake refuses: %w", err)
 	}
 	return nil

@@ -159,3 +159,59 @@ func eps(ep func(string) pt.EP, ips []string) []pt.EP {
 	}
 	return out
 }
+
+// TestRealKernelSetAsideWrittenAhead: the kernel refuses a slot that a
+// full sync writes ahead of its main transaction (preWriter, which sends
+// nft its own text, execNFT.runText): the service port is set aside, its
+// chunk runs again as a transaction without it, and the rest is
+// programmed in the same sync.
+func TestRealKernelSetAsideWrittenAhead(t *testing.T) {
+	netnstest.RequireRoot(t)
+	const badIP = "10.96.0.30"
+	ep := func(ip string) pt.EP { return pt.EP{IP: ip, Node: "node-b"} }
+	web := pt.Service("web", rtClusterIP)
+	webSlice := pt.Slice("web", 8080, ep("10.244.2.5"), ep("10.244.2.6"))
+	bad := pt.Service("bad", badIP)
+	badSlice := pt.Slice("bad", 8080, ep("10.244.2.8"), ep("10.244.2.9"))
+	c := pt.Case{
+		Name:     "set aside ahead",
+		Services: []*v1.Service{web, bad},
+		Slices:   []*discovery.EndpointSlice{webSlice, badSlice},
+		Flows: []pt.Flow{
+			{Name: "web", Source: "10.244.1.9", Dest: rtClusterIP, Port: 80, Want: pt.Delivered,
+				WantEndpoints: []string{"10.244.2.5:8080", "10.244.2.6:8080"}},
+			{Name: "bad", Source: "10.244.1.9", Dest: badIP, Port: 80, Want: pt.NotHandled},
+		},
+	}
+	rt := &realTable{c: c, env: c.Env(), clk: testingclock.NewFakeClock(time.Unix(1_700_000_000, 0))}
+	rk := realNFTKernel(rt.clk)
+	rk.NewBackend = func(t *testing.T, node pt.RealNode) (proxier.Backend, pt.Tracer) {
+		rt.backend, rt.tee = newRealNFTBackend(t, node, rt.clk, nil)
+		return rt.backend, &fakeTracer{fake: rt.tee.fake.Fake, local: node.Addrs}
+	}
+	rt.rc = pt.NewRealCase(t, c, rt.env, rk, nil)
+	var last proxier.SyncResult
+	newEngine := func(b *Backend, services []*v1.Service, slices ...*discovery.EndpointSlice) *proxier.Engine {
+		return pt.NewEngine(t, b, pt.EngineOptions{Env: rt.env, Clock: rt.clk, OnSync: func(r proxier.SyncResult) { last = r },
+			Services: services, Slices: slices})
+	}
+	rt.sync(t, newEngine(rt.backend, []*v1.Service{web}))
+
+	// An element with the key of bad's first slot, put there from
+	// outside; then a restarted kproxy with bad and web's endpoints, its
+	// slots written ahead one destination per chunk.
+	rt.nft(t, "add", "element", "ip", TableName, endpointsMap("tcp")+" { "+badIP+" . 80 . 0 : 192.0.2.99 . 9 }")
+	b2, _ := newRealNFTBackend(t, rt.rc.Node(), rt.clk, rt.tee)
+	b2.opts.EndpointChunk = 1
+	rt.sync(t, newEngine(b2, []*v1.Service{web, bad}, webSlice, badSlice))
+	st := b2.LastSync()
+	if st.Mode != modeReconcile || st.Transactions < 3 {
+		t.Errorf("sync was %s with %d transactions, want %s with the slots written ahead", st.Mode, st.Transactions, modeReconcile)
+	}
+	badName := proxy.ServicePortName{NamespacedName: types.NamespacedName{Namespace: pt.Namespace, Name: "bad"}, Port: "p", Protocol: v1.ProtocolTCP}
+	got := slices.SortedFunc(maps.Keys(last.Backend.SetAside), proxy.ServicePortName.Compare)
+	if !slices.Equal(got, []proxy.ServicePortName{badName}) || !strings.Contains(last.Backend.SetAside[badName].Error(), "File exists") {
+		t.Errorf("set aside %v, want only %s, refused by the kernel", last.Backend.SetAside, badName)
+	}
+	rt.rc.CheckKernelFlows(t, c.Flows)
+}

@@ -219,6 +219,38 @@ func (dr *destRender) endpointObjects(strs *stringCache) []knftables.Element {
 	return objs
 }
 
+// appendEndpointElements appends the destination's endpoint slots to b as
+// the elements of one nft element command, in endpointObjects' order and
+// as knftables writes each ("k1 . k2 . slot : addr . port"), separated by
+// ", ".
+func (dr *destRender) appendEndpointElements(b []byte) []byte {
+	first := true
+	for i, eps := range dr.eps {
+		base := 0
+		if i == 1 {
+			base = localSlotBase
+		}
+		for slot, ep := range eps {
+			if !first {
+				b = append(b, ", "...)
+			}
+			first = false
+			if !dr.key.nodePort {
+				b = dr.key.addr.Unmap().AppendTo(b)
+				b = append(b, " . "...)
+			}
+			b = strconv.AppendInt(b, int64(dr.key.port), 10)
+			b = append(b, " . "...)
+			b = strconv.AppendInt(b, int64(base+slot), 10)
+			b = append(b, " : "...)
+			b = ep.Addr().Unmap().AppendTo(b)
+			b = append(b, " . "...)
+			b = strconv.AppendInt(b, int64(ep.Port()), 10)
+		}
+	}
+	return b
+}
+
 // stringCache shares the strings of numbers and map names among the
 // elements of one transaction.
 type stringCache struct {

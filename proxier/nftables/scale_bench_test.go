@@ -172,8 +172,9 @@ type benchNFT struct {
 	*nsNFT
 	runTime, checkTime, listTime time.Duration
 	lists                        int
-	ran                          []*knftables.Transaction
-	mirror                       *memNFT
+	// ran renders each transaction's text (as knftables would).
+	ran    []func() string
+	mirror *memNFT
 	// unmerged: the interface sends transactions unmerged.
 	unmerged bool
 }
@@ -199,7 +200,17 @@ func (n *benchNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
 	err := n.nsNFT.Run(ctx, tx)
 	n.runTime += time.Since(start)
 	if err == nil {
-		n.ran = append(n.ran, tx)
+		n.ran = append(n.ran, tx.String)
+	}
+	return err
+}
+
+func (n *benchNFT) runText(ctx context.Context, t *textTx) error {
+	start := time.Now()
+	err := n.nsNFT.runText(ctx, t)
+	n.runTime += time.Since(start)
+	if err == nil {
+		n.ran = append(n.ran, func() string { return t.build().String() })
 	}
 	return err
 }
@@ -245,8 +256,8 @@ func (n *benchNFT) ListCounters(ctx context.Context) ([]*knftables.Counter, erro
 func (n *benchNFT) take(tb testing.TB) []string {
 	tb.Helper()
 	var out []string
-	for _, tx := range n.ran {
-		text := tx.String()
+	for _, render := range n.ran {
+		text := render()
 		if n.mirror != nil {
 			if err := n.mirror.apply(text); err != nil {
 				tb.Fatal(err)
@@ -258,9 +269,10 @@ func (n *benchNFT) take(tb testing.TB) []string {
 	return out
 }
 
-// floor pipes text to "nft -f -" in the namespace, as knftables does: its
+// floor pipes text to "nft -f -" in the namespace, as knftables does, in
+// the environment kproxy gives nft (nftEnv; plain: the process's own): its
 // wall time, nft's CPU and this process's (starting nft and feeding it).
-func (n *benchNFT) floor(tb testing.TB, text string) (wall, cpu, self time.Duration) {
+func (n *benchNFT) floor(tb testing.TB, text string, plain bool) (wall, cpu, self time.Duration) {
 	tb.Helper()
 	before, selfBefore := rusage(tb, syscall.RUSAGE_CHILDREN), rusage(tb, syscall.RUSAGE_SELF)
 	var stderr bytes.Buffer
@@ -270,6 +282,9 @@ func (n *benchNFT) floor(tb testing.TB, text string) (wall, cpu, self time.Durat
 		err = n.ns.Do(func() error {
 			cmd := exec.Command("nft", "-f", "-")
 			cmd.Stdin = strings.NewReader(text)
+			if !plain {
+				cmd.Env = nftEnv(os.Environ())
+			}
 			cmd.Stderr = &stderr
 			return cmd.Run()
 		})
@@ -368,7 +383,7 @@ func (r *benchRig) replay(tb testing.TB, samples ...*sample) {
 	tb.Helper()
 	for _, s := range samples {
 		for _, text := range s.texts {
-			wall, cpu, self := r.nft.floor(tb, r.nft.input(text))
+			wall, cpu, self := r.nft.floor(tb, r.nft.input(text), false)
 			s.floor += wall
 			s.floorCPU += cpu
 			s.floorSelf += self
@@ -385,10 +400,13 @@ type shapeResult struct {
 	canary                 time.Duration
 	// fullUnmerged is the full sync's floor with its transactions as
 	// knftables renders them (one command per element), not merged.
-	fullUnmerged          time.Duration
-	firstPacketRules      int
-	firstPacketPath       string
-	natRules, filterRules int
+	fullUnmerged time.Duration
+	// fullPlain and fullPlainCPU are the floor's wall time and nft's CPU
+	// with nft in the process's environment (no nftMallocTunable).
+	fullPlain, fullPlainCPU time.Duration
+	firstPacketRules        int
+	firstPacketPath         string
+	natRules, filterRules   int
 }
 
 func benchShape(b *testing.B, s pt.WorkloadShape) *shapeResult {
@@ -431,8 +449,18 @@ func benchShape(b *testing.B, s pt.WorkloadShape) *shapeResult {
 		b.Fatal(err)
 	}
 	for _, text := range res.full.texts {
-		wall, _, _ := r.nft.floor(b, text)
+		wall, _, _ := r.nft.floor(b, text, false)
 		res.fullUnmerged += wall
+	}
+	// And the floor's input through nft in the process's own environment
+	// (without nftMallocTunable).
+	if err := deleteTable(ctx, real); err != nil {
+		b.Fatal(err)
+	}
+	for _, text := range r.nft.inputs(res.full.texts) {
+		wall, cpu, _ := r.nft.floor(b, text, true)
+		res.fullPlain += wall
+		res.fullPlainCPU += cpu
 	}
 
 	// Rules a first packet evaluates: a pod to the ClusterIP of a few
@@ -567,6 +595,7 @@ func (r *shapeResult) report(b *testing.B) {
 	b.ReportMetric(f.floor.Seconds(), "full-floor-s")
 	b.ReportMetric(f.ratio(), "full-x-floor")
 	b.ReportMetric(r.fullUnmerged.Seconds(), "full-floor-unmerged-s")
+	b.ReportMetric(r.fullPlain.Seconds(), "full-floor-plain-env-s")
 	b.ReportMetric(f.self.Seconds(), "full-kproxy-cpu-s")
 	b.ReportMetric(f.share(), "full-kproxy-cpu-%")
 	b.ReportMetric(r.restart.wall.Seconds(), "restart-s")
@@ -588,8 +617,8 @@ func (r *shapeResult) report(b *testing.B) {
 	b.ReportMetric(ms(r.canary), "canary-ms")
 	b.ReportMetric(float64(r.firstPacketRules), "first-packet-rules")
 	b.ReportMetric(float64(r.natRules+r.filterRules), "table-rules")
-	b.Logf("%v: full %v (nft %v, reads %v; floor %v, %v unmerged; kproxy CPU %v, nft CPU %v, floor nft CPU %v; %d operations)",
-		r.shape, round(f.wall), round(f.nft), round(f.read), round(f.floor), round(r.fullUnmerged), round(f.self), round(f.nftCPU), round(f.floorCPU), f.ops)
+	b.Logf("%v: full %v (nft %v, reads %v; floor %v, %v unmerged, %v in a plain environment; kproxy CPU %v, nft CPU %v, floor nft CPU %v, %v in a plain environment; %d operations)",
+		r.shape, round(f.wall), round(f.nft), round(f.read), round(f.floor), round(r.fullUnmerged), round(r.fullPlain), round(f.self), round(f.nftCPU), round(f.floorCPU), round(r.fullPlainCPU), f.ops)
 	b.Logf("%v: restart %v (%d operations; listing %v in %d calls, nft --check %v; kproxy CPU %v)",
 		r.shape, round(r.restart.wall), r.restart.ops, round(r.restart.read), r.restart.lists, round(r.restart.nft), round(r.restart.self))
 	for _, s := range r.restartChange {
