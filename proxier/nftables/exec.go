@@ -42,6 +42,9 @@ type execNFT struct {
 	// notFound and exists carry knftables' classification of an error
 	// (knftables.IsNotFound, IsAlreadyExists) into execNFT's.
 	notFound, exists error
+	// listGuard bounds the listings, which knftables makes over netlink
+	// (listdeadline.go).
+	listGuard deadline.Guard
 }
 
 // execOptions configure newExecNFT.
