@@ -10,6 +10,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"sigs.k8s.io/knftables"
@@ -45,6 +46,14 @@ type execNFT struct {
 	// listGuard bounds the listings, which knftables makes over netlink
 	// (listdeadline.go).
 	listGuard deadline.Guard
+	// noSession runs every transaction through "nft -f -".
+	noSession bool
+	// session is the long-lived "nft -i" small transactions go to
+	// (session.go); sessionMu guards it.
+	sessionMu sync.Mutex
+	session   *nftSession
+	// sessionRuns replaces sessionMaxRuns (tests).
+	sessionRuns int
 }
 
 // execOptions configure newExecNFT.
@@ -53,6 +62,8 @@ type execOptions struct {
 	Table  string
 	// NoMerge sends transactions unmerged (for measuring the merge).
 	NoMerge bool
+	// NoSession runs every transaction through "nft -f -" (session.go).
+	NoSession bool
 	// Timeout bounds each Run and Check; zero means
 	// defaultNFTTimeout.
 	Timeout time.Duration
@@ -83,7 +94,7 @@ func newExecNFT(opts execOptions) (*execNFT, error) {
 	if timeout <= 0 {
 		timeout = defaultNFTTimeout
 	}
-	return &execNFT{Interface: inner, path: path, timeout: timeout, noMerge: opts.NoMerge, notFound: notFound, exists: exists}, nil
+	return &execNFT{Interface: inner, path: path, timeout: timeout, noMerge: opts.NoMerge, noSession: opts.NoSession, notFound: notFound, exists: exists}, nil
 }
 
 // knftablesErrors returns an error of each kind knftables classifies
@@ -118,16 +129,28 @@ func (n *execNFT) Check(ctx context.Context, tx *knftables.Transaction) error {
 }
 
 func (n *execNFT) run(ctx context.Context, tx *knftables.Transaction, check bool) error {
+	var text string
+	if !check && !n.noSession {
+		// A small transaction goes to the session (session.go).
+		text = tx.String()
+		if !hasErrorLine(text) {
+			if handled, err := n.runSession(ctx, text); handled {
+				return err
+			}
+		}
+	}
 	// nft starts while the transaction renders.
 	r, err := n.start(ctx, check)
 	if err != nil {
 		return err
 	}
-	text := tx.String()
+	if text == "" {
+		text = tx.String()
+	}
 	// A transaction with a pending error (an invalid operation) renders it
 	// as a last comment line; knftables returns that error without running
 	// nft. nft gets an empty input, which changes nothing.
-	if strings.HasPrefix(text, "# ERROR: ") || strings.Contains(text, "\n# ERROR: ") {
+	if hasErrorLine(text) {
 		_, _ = r.finish(nil)
 		if check {
 			return n.Interface.Check(ctx, tx)
@@ -147,6 +170,12 @@ func (n *execNFT) run(ctx context.Context, tx *knftables.Transaction, check bool
 		return n.wrapError(err, errText, text)
 	}
 	return err
+}
+
+// hasErrorLine says whether text, a transaction as knftables renders it,
+// carries a pending error (an invalid operation) as a comment line.
+func hasErrorLine(text string) bool {
+	return strings.HasPrefix(text, "# ERROR: ") || strings.Contains(text, "\n# ERROR: ")
 }
 
 // runText runs a transaction kproxy wrote as nft's input itself

@@ -3,6 +3,7 @@ package nftables
 import (
 	"context"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -42,8 +43,14 @@ type nsNFT struct {
 	log func(format string, args ...any)
 }
 
-func newNSNFT(ns *netnstest.NS, family v1.IPFamily) (*nsNFT, error) {
+func newNSNFT(tb testing.TB, ns *netnstest.NS, family v1.IPFamily) (*nsNFT, error) {
 	n := &nsNFT{ns: ns}
+	// The nft session (session.go) ends with the test.
+	tb.Cleanup(func() {
+		if c, ok := n.real.(io.Closer); ok {
+			_ = c.Close()
+		}
+	})
 	err := ns.Do(func() error {
 		var err error
 		n.real, err = NewInterface(family)
@@ -192,7 +199,7 @@ func TestRealKernelCases(t *testing.T) {
 			var first *Backend
 			pt.RunCase(t, c, func(t *testing.T, e pt.Env) (proxier.Backend, pt.Tracer) {
 				env = e
-				real, err := newNSNFT(ns, e.Family)
+				real, err := newNSNFT(t, ns, e.Family)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -284,7 +291,7 @@ func TestRealKernelScale(t *testing.T) {
 	env := pt.Env{NodeName: "node-a", NodeIPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")},
 		ClusterCIDR: netip.MustParsePrefix("10.244.0.0/16"), Family: v1.IPv4Protocol}
 	services, slices := pt.Workload(n)
-	real, err := newNSNFT(ns, v1.IPv4Protocol)
+	real, err := newNSNFT(t, ns, v1.IPv4Protocol)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -65,7 +65,7 @@ func checkRealNFT(ctx context.Context, node *netnstest.NS, _ v1.IPFamily) error 
 // empty.
 func newRealNFTBackend(t *testing.T, node pt.RealNode, clk clock.PassiveClock, from *teeNFT) (*Backend, *teeNFT) {
 	t.Helper()
-	real, err := newNSNFT(node.NS, node.Env.Family)
+	real, err := newNSNFT(t, node.NS, node.Env.Family)
 	if err != nil {
 		t.Fatalf("nft in %s: %v", node.NS.Name, err)
 	}

@@ -111,7 +111,7 @@ func BenchmarkNFTablesMemory(b *testing.B) {
 	b.Run("shape="+s.String(), func(b *testing.B) {
 		for i := 0; i < b.N; i++ {
 			ns := netnstest.New(b, "nftm")
-			real, err := newNSNFT(ns, v1.IPv4Protocol)
+			real, err := newNSNFT(b, ns, v1.IPv4Protocol)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -177,6 +177,55 @@ type benchNFT struct {
 	mirror *memNFT
 	// unmerged: the interface sends transactions unmerged.
 	unmerged bool
+}
+
+// session is the interface's nft session (session.go), 0 when none runs.
+func (n *benchNFT) session() int {
+	if e, ok := n.real.(*execNFT); ok {
+		return e.sessionPID()
+	}
+	return 0
+}
+
+// sessionCPU is the CPU time the running nft session has used (its
+// scheduler run time, in nanoseconds: getrusage counts a child only once
+// it has been waited for). A session replaced meanwhile is counted by
+// RUSAGE_CHILDREN.
+func (n *benchNFT) sessionCPU() time.Duration {
+	pid := n.session()
+	if pid == 0 {
+		return 0
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/schedstat", pid))
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return 0
+	}
+	ns, _ := strconv.ParseInt(f[0], 10, 64)
+	return time.Duration(ns)
+}
+
+// sessionRSS is the running nft session's peak resident memory in MiB
+// (VmHWM), 0 when none runs.
+func (n *benchNFT) sessionRSS() float64 {
+	pid := n.session()
+	if pid == 0 {
+		return 0
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0
+	}
+	for l := range strings.SplitSeq(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "VmHWM:"); ok {
+			kb, _ := strconv.ParseFloat(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 64)
+			return kb / 1024
+		}
+	}
+	return 0
 }
 
 // input is what the interface sends nft for a transaction's text.
@@ -362,11 +411,11 @@ func (r *benchRig) sync(tb testing.TB, phase string, be *Backend, e *proxier.Eng
 	n := r.nft
 	n.runTime, n.checkTime, n.listTime, n.lists = 0, 0, 0, 0
 	var err error
-	self, children := rusage(tb, syscall.RUSAGE_SELF), rusage(tb, syscall.RUSAGE_CHILDREN)
+	self, children := rusage(tb, syscall.RUSAGE_SELF), rusage(tb, syscall.RUSAGE_CHILDREN)+n.sessionCPU()
 	start := time.Now()
 	pprof.Do(context.Background(), pprof.Labels("phase", phase), func(ctx context.Context) { err = e.SyncRules(ctx) })
 	wall := time.Since(start)
-	self, children = rusage(tb, syscall.RUSAGE_SELF)-self, rusage(tb, syscall.RUSAGE_CHILDREN)-children
+	self, children = rusage(tb, syscall.RUSAGE_SELF)-self, rusage(tb, syscall.RUSAGE_CHILDREN)+n.sessionCPU()-children
 	if err != nil {
 		tb.Fatalf("sync: %v", err)
 	}
@@ -406,13 +455,15 @@ type shapeResult struct {
 	fullPlain, fullPlainCPU time.Duration
 	firstPacketRules        int
 	firstPacketPath         string
+	// sessionRSS is the nft session's peak RSS in MiB after the changes.
+	sessionRSS float64
 	natRules, filterRules   int
 }
 
 func benchShape(b *testing.B, s pt.WorkloadShape) *shapeResult {
 	ctx := context.Background()
 	ns := netnstest.New(b, "nftb")
-	real, err := newNSNFT(ns, v1.IPv4Protocol)
+	real, err := newNSNFT(b, ns, v1.IPv4Protocol)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -520,6 +571,7 @@ func benchShape(b *testing.B, s pt.WorkloadShape) *shapeResult {
 		back := r.sync(b, "change", be, e)
 		r.replay(b, there, back)
 		res.changes = append(res.changes, there, back)
+		res.sessionRSS = r.nft.sessionRSS()
 		if i == 0 {
 			dump(b, s, "change", r.nft.inputs(there.texts))
 		}
@@ -630,6 +682,9 @@ func (r *shapeResult) report(b *testing.B) {
 		median(r.changes, (*sample).nftMS), median(r.changes, (*sample).floorMS), median(r.changes, (*sample).ratio),
 		median(r.changes, (*sample).selfMS), median(r.changes, (*sample).share), median(r.changes, (*sample).execMS),
 		median(r.changes, (*sample).cpuRatio), r.changes[0].ops)
+	if r.sessionRSS > 0 {
+		b.Logf("%v: the nft session's peak RSS %.1f MiB", r.shape, r.sessionRSS)
+	}
 	b.Logf("%v: service added p50 %.1f ms (floor %.1f ms, %.2fx; kproxy CPU %.2f ms = %.1f%%; %d operations); deleted p50 %.1f ms",
 		r.shape, median(r.adds, (*sample).wallMS), median(r.adds, (*sample).floorMS), median(r.adds, (*sample).ratio),
 		median(r.adds, (*sample).selfMS), median(r.adds, (*sample).share), r.adds[0].ops, median(r.removes, (*sample).wallMS))
