@@ -456,8 +456,8 @@ type shapeResult struct {
 	firstPacketRules        int
 	firstPacketPath         string
 	// sessionRSS is the nft session's peak RSS in MiB after the changes.
-	sessionRSS float64
-	natRules, filterRules   int
+	sessionRSS            float64
+	natRules, filterRules int
 }
 
 func benchShape(b *testing.B, s pt.WorkloadShape) *shapeResult {
