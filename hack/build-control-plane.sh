@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Builds the local cluster's programs (see test/LOCAL-CLUSTER.md) into
-# test/_cache/bin/<first 12 hex digits of sha256(test/go.sum)>/:
-#   kube-apiserver, kube-controller-manager, kube-scheduler (k8s.io/kubernetes)
-#   and etcd (test/cmd/etcd): built only when missing, since they take minutes
-#   and depend on nothing but test/go.sum;
+# test/_cache/bin/<hash>/, <hash> being the first 12 hex digits of the sha256
+# of test/go.sum and of the list of slow programs below with their packages:
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl
+#   (k8s.io/kubernetes, kubectl from k8s.io/kubectl at the same version) and
+#   etcd (test/cmd/etcd): built only when missing, since they take minutes
+#   and depend on nothing but test/go.sum and that list;
 #   kpc (test/cmd/kpc) and kproxy (cmd/kproxy): rebuilt every time (seconds).
 # Prints the bin directory as the last line of its output.
 set -euo pipefail
@@ -13,19 +15,27 @@ export PATH="/usr/local/go/bin:$PATH"
 GO=${GO:-go}
 test_dir="$root/test"
 cache="$test_dir/_cache/bin"
-hash=$(sha256sum "$test_dir/go.sum" | cut -c1-12)
-bin="$cache/$hash"
-mkdir -p "$bin"
 
 log() { echo "build-control-plane: $*" >&2; }
 
-slow=(kube-apiserver kube-controller-manager kube-scheduler etcd)
+# kubectl is here so that every command the demo prints runs on a machine
+# without one (`kpc kubectl ...`).
+slow=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd)
 declare -A pkg=(
   [kube-apiserver]=k8s.io/kubernetes/cmd/kube-apiserver
   [kube-controller-manager]=k8s.io/kubernetes/cmd/kube-controller-manager
   [kube-scheduler]=k8s.io/kubernetes/cmd/kube-scheduler
+  [kubectl]=k8s.io/kubernetes/cmd/kubectl
   [etcd]=./cmd/etcd
 )
+
+# A new go.sum or a new set of slow programs is a new directory.
+hash=$({
+  cat "$test_dir/go.sum"
+  for b in "${slow[@]}"; do echo "$b=${pkg[$b]}"; done
+} | sha256sum | cut -c1-12)
+bin="$cache/$hash"
+mkdir -p "$bin"
 
 # A one-off build into _cache/bin/probe (same go.sum) is adopted rather than
 # rebuilt, unless a go build is still writing it.
@@ -73,7 +83,7 @@ version=$(git -C "$root" describe --tags --always --dirty 2>/dev/null || echo de
   -ldflags "-X github.com/kproxy/kproxy/cmd/kproxy/app.Version=$version" \
   -o "$bin/kproxy.new" ./cmd/kproxy) && mv "$bin/kproxy.new" "$bin/kproxy"
 
-# Binaries for an older go.sum are never used again.
+# Binaries for an older go.sum or program list are never used again.
 for d in "$cache"/*/; do
   d=${d%/}
   case "$(basename "$d")" in "$hash" | probe) continue ;; esac

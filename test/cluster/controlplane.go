@@ -131,6 +131,12 @@ func schedulerArgs(l layout) []string {
 	}
 }
 
+// KproxyArgs are the arguments of kproxy on node i in a cluster with this
+// state directory and mode, before any extra flags (`kpc up --kproxy-arg`).
+func KproxyArgs(stateDir string, i int, mode string) []string {
+	return kproxyArgs(layout{stateDir}, i, mode, nil)
+}
+
 // kproxyArgs runs kproxy as a DaemonSet would on node i; extra flags come
 // last so they override.
 func kproxyArgs(l layout, i int, mode string, extra []string) []string {

@@ -108,6 +108,11 @@ func TestKproxyArgs(t *testing.T) {
 			if got := kproxyArgs(l, tc.i, tc.mode, tc.extra); !slices.Equal(got, tc.want) {
 				t.Errorf("kproxyArgs = %q, want %q", got, tc.want)
 			}
+			// The exported form (what `kpc demo` prints kproxy commands
+			// from) is the same before the extra flags.
+			if got, want := KproxyArgs(l.dir, tc.i, tc.mode), tc.want[:len(tc.want)-len(tc.extra)]; !slices.Equal(got, want) {
+				t.Errorf("KproxyArgs = %q, want %q", got, want)
+			}
 		})
 	}
 }

@@ -76,6 +76,7 @@ See test/LOCAL-CLUSTER.md.`,
 		newStatusCommand(g, stdout),
 		newKubeconfigCommand(g, stdout),
 		newExecCommand(g),
+		newKubectlCommand(g),
 		newModeCommand(g, stdout),
 		newAgentCommand(),
 		newDemoCommand(g, stdout),
@@ -172,15 +173,15 @@ func newUpCommand(g *globalOptions, stdout io.Writer) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(stdout, `Cluster up in %s: %d nodes, kproxy --proxy-mode=%s.
-  kubectl --kubeconfig %s get nodes,pods -A
-  kpc exec client -- curl -s http://%s:<nodePort>/
-  kpc exec node-1 -- %s
-  kpc mode <iptables|nftables|ipvs>   # switch every node's kproxy
-  kpc status
-  kpc down
-Logs: %s/logs
-`, time.Since(began).Round(100*time.Millisecond), opts.Nodes, c.Mode(), c.Kubeconfig(), cluster.NodeIP(1), rulesCommand(c.Mode()), c.StateDir())
+			fmt.Fprintf(stdout, `Cluster up in %[1]s: %[2]d nodes, kproxy --proxy-mode=%[3]s.
+  %[8]s kubectl get nodes,pods -A       # kubectl --kubeconfig %[4]s
+  %[8]s exec client -- curl -s http://%[5]s:<nodePort>/
+  %[8]s exec node-1 -- %[6]s
+  %[8]s mode <iptables|nftables|ipvs>   # switch every node's kproxy
+  %[8]s status
+  %[8]s down
+Logs: %[7]s/logs
+`, time.Since(began).Round(100*time.Millisecond), opts.Nodes, c.Mode(), c.Kubeconfig(), cluster.NodeIP(1), rulesCommand(c.Mode()), c.StateDir(), selfPath())
 			return nil
 		},
 	}
@@ -290,8 +291,8 @@ func newModeCommand(g *globalOptions, stdout io.Writer) *cobra.Command {
 			if err := c.SetMode(ctx, mode); err != nil {
 				return err
 			}
-			fmt.Fprintf(stdout, "kproxy runs --proxy-mode=%s on %s (switched and synced in %s).\n  kpc exec node-1 -- %s\n",
-				mode, strings.Join(c.NodeNames(), ", "), time.Since(began).Round(100*time.Millisecond), rulesCommand(mode))
+			fmt.Fprintf(stdout, "kproxy runs --proxy-mode=%s on %s (switched and synced in %s).\n  %s exec node-1 -- %s\n",
+				mode, strings.Join(c.NodeNames(), ", "), time.Since(began).Round(100*time.Millisecond), selfPath(), rulesCommand(mode))
 			return nil
 		},
 	}
@@ -325,9 +326,10 @@ func splitExec(args []string, dash int) (string, []string, error) {
 func newExecCommand(g *globalOptions) *cobra.Command {
 	return &cobra.Command{
 		Use:   "exec <target> -- CMD [ARGS...]",
-		Short: "Run a command inside a namespace: node-<i>, client, control-plane, <pod> or <namespace>/<pod>",
+		Short: "Run a command inside a namespace: node-<i>, client, control-plane, <pod> or <namespace>/<pod> (the cluster's kproxy and kubectl first in PATH)",
 		Example: `  kpc exec client -- curl -s http://10.254.0.11:30080/
   kpc exec node-1 -- iptables-save -t nat
+  kpc exec node-1 -- kproxy trace --src 10.254.0.100 --dst 10.254.0.11 --dport 30080
   kpc exec default/web-7d9c-abcde -- ip addr`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			target, command, err := splitExec(args, cmd.ArgsLenAtDash())
@@ -348,8 +350,10 @@ func newExecCommand(g *globalOptions) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			// Become the command: its streams, signals and exit code are kpc's.
-			return syscall.Exec(path, argv, os.Environ())
+			// Become the command: its streams, signals and exit code are
+			// kpc's. The cluster's programs (kproxy, kubectl) come first in
+			// its PATH.
+			return syscall.Exec(path, argv, execEnv(os.Environ(), c.BinDir()))
 		},
 	}
 }

@@ -249,6 +249,8 @@ func TestCommandsWithoutCluster(t *testing.T) {
 		{name: "exec", args: []string{"exec", "--state", state, "client", "--", "true"}, wantCode: 1, wantErr: "no local cluster is up"},
 		{name: "exec without a dash", args: []string{"exec", "--state", state, "client", "true"}, wantCode: 1, wantErr: "usage: kpc exec"},
 		{name: "unknown command", args: []string{"upp"}, wantCode: 1, wantErr: "unknown command"},
+		{name: "kubectl", args: []string{"kubectl", "--state", state, "get", "pods"}, wantCode: 1, wantErr: "no local cluster is up"},
+		{name: "kubectl, state before it", args: []string{"--state", state, "kubectl", "get", "pods"}, wantCode: 1, wantErr: "no local cluster is up"},
 		{name: "mode", args: []string{"mode", "--state", state}, wantCode: 1, wantErr: "no local cluster is up"},
 		{name: "mode switch", args: []string{"mode", "--state", state, "nftables"}, wantCode: 1, wantErr: "no local cluster is up"},
 		{name: "two modes", args: []string{"mode", "--state", state, "iptables", "nftables"}, wantCode: 1, wantErr: "accepts at most 1 arg"},

@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"slices"
 	"sort"
 	"strings"
 	"syscall"
@@ -119,26 +120,125 @@ func runDemo(ctx context.Context, g *globalOptions, o *demoOptions, w io.Writer)
 			cluster.ClientNetNS, addr, o.Requests) && ok
 	}
 
-	self := "kpc"
-	if exe, err := os.Executable(); err == nil {
-		self = exe
+	node := slices.Index(c.NodeNames(), clientPod.Spec.NodeName) + 1
+	if node == 0 {
+		return fmt.Errorf("the client pod runs on %q, not a node of this cluster (%s)", clientPod.Spec.NodeName, strings.Join(c.NodeNames(), ", "))
 	}
-	fmt.Fprintf(w, `
-==> kproxy routed every request above through the rules it wrote on each node.
-Try it yourself:
-  export KUBECONFIG=%[1]s
-  kubectl -n %[2]s get pods,svc,endpointslices -o wide      # if you have kubectl
-  %[3]s exec node-1 -- %[4]s    # kproxy's rules on node-1
-  %[3]s exec client -- ip route                             # the external client
-  %[3]s mode %[5]s                                  # switch every node's kproxy to another mode
-  %[3]s status
-Tear it all down (namespaces, links, processes):
-  %[3]s down        # or: make demo-down
-`, c.Kubeconfig(), demoNamespace, self, demoRulesHint(c.Mode()), otherMode(c.Mode()))
+	printTryIt(w, tryItValues{
+		Kpc: selfPath(), Mode: c.Mode(), Service: svc, ClientPod: clientPod,
+		AgentFlags:       explainFlags(cluster.KproxyArgs(c.StateDir(), node, c.Mode())),
+		ExternalClientIP: cluster.ClientIP,
+	})
 	if !ok {
 		return errors.New("some demo requests failed (see above); kproxy logs are in " + c.StateDir())
 	}
 	return nil
+}
+
+// tryItValues are the running demo's values the "try it yourself" commands
+// carry, so that each runs as printed.
+type tryItValues struct {
+	// Kpc is kpc's own path.
+	Kpc  string
+	Mode string
+	// Service is the echo Service (its ClusterIP, port and node port).
+	Service *v1.Service
+	// ClientPod is the client pod: its node is where the commands look,
+	// its address the source of the traced packet.
+	ClientPod *v1.Pod
+	// AgentFlags are the flags that make a kproxy command on the client
+	// pod's node see what the agent there sees (explainFlags).
+	AgentFlags []string
+	// ExternalClientIP is the external client's address.
+	ExternalClientIP string
+}
+
+// tryItLine is one command of the "try it yourself" block.
+type tryItLine struct {
+	Command string
+	Comment string
+}
+
+// tryItCommands are the commands the demo suggests: kubectl through kpc,
+// kproxy's rules, `kproxy trace` of the demo's two flows and `kproxy
+// explain` of its Service on the client pod's node, as kproxy runs there
+// (--kubeconfig, --hostname-override).
+func tryItCommands(v tryItValues) []tryItLine {
+	kpc, node, svc := v.Kpc, v.ClientPod.Spec.NodeName, v.Service
+	port := svc.Spec.Ports[0]
+	onNode := fmt.Sprintf("%s exec %s -- ", kpc, node)
+	lines := []tryItLine{
+		{Command: fmt.Sprintf("%s kubectl -n %s get pods,svc,endpointslices -o wide", kpc, svc.Namespace), Comment: "kubectl, built with the control plane"},
+		{Command: onNode + demoRulesHint(v.Mode), Comment: "kproxy's rules on " + node},
+	}
+	if traceReads(v.Mode) {
+		lines = append(lines,
+			tryItLine{
+				Command: onNode + fmt.Sprintf("kproxy trace --src %s --dst %s --dport %d --from pod", v.ClientPod.Status.PodIP, svc.Spec.ClusterIP, port.Port),
+				Comment: fmt.Sprintf("the path of %s/%s's packet to the ClusterIP through %s's rules", v.ClientPod.Namespace, v.ClientPod.Name, node),
+			},
+			tryItLine{
+				Command: onNode + fmt.Sprintf("kproxy trace --src %s --dst %s --dport %d", v.ExternalClientIP, v.ClientPod.Status.HostIP, port.NodePort),
+				Comment: "the external client's packet to " + node + "'s NodePort",
+			})
+	}
+	switchComment := "switch every node's kproxy to another mode"
+	if !traceReads(v.Mode) {
+		switchComment += " (kproxy trace reads iptables and nftables modes)"
+	}
+	lines = append(lines,
+		tryItLine{
+			Command: onNode + strings.Join(append([]string{"kproxy", "explain", svc.Namespace + "/" + svc.Name}, v.AgentFlags...), " "),
+			Comment: "what kproxy decides for the Service on " + node + ", and whether the rules agree",
+		},
+		tryItLine{Command: kpc + " exec client -- ip route", Comment: "the external client"},
+		tryItLine{Command: fmt.Sprintf("%s mode %s", kpc, otherMode(v.Mode)), Comment: switchComment},
+		tryItLine{Command: kpc + " status"},
+	)
+	return lines
+}
+
+// explainFlags are the flags of kproxy's agent arguments that `kproxy
+// explain` takes to act as that agent: the API server and identity
+// (--kubeconfig) and the node (--hostname-override); the last of each, as
+// for the agent.
+func explainFlags(agentArgs []string) []string {
+	var out []string
+	for _, name := range []string{"--kubeconfig", "--hostname-override"} {
+		for i := len(agentArgs) - 1; i >= 0; i-- {
+			if strings.HasPrefix(agentArgs[i], name+"=") {
+				out = append(out, agentArgs[i])
+				break
+			}
+		}
+	}
+	return out
+}
+
+// traceReads says whether `kproxy trace` reads the state of mode.
+func traceReads(mode string) bool {
+	return mode == cluster.ModeIPTables || mode == cluster.ModeNFTables
+}
+
+// printTryIt prints the "try it yourself" block, each command on a line of
+// its own with its comment on the next, so that a line pastes as is.
+func printTryIt(w io.Writer, v tryItValues) {
+	fmt.Fprintf(w, "\n==> kproxy routed every request above through the rules it wrote on each node.\nTry it yourself (each command runs as printed; kproxy and kubectl come with the cluster):\n")
+	for _, l := range tryItCommands(v) {
+		if l.Comment != "" {
+			fmt.Fprintf(w, "  # %s\n", l.Comment)
+		}
+		fmt.Fprintf(w, "  %s\n", l.Command)
+	}
+	fmt.Fprintf(w, "Tear it all down (namespaces, links, processes):\n  %s down        # or: make demo-down\n", v.Kpc)
+}
+
+// selfPath is kpc's own path, for commands printed to be pasted.
+func selfPath() string {
+	if exe, err := os.Executable(); err == nil {
+		return exe
+	}
+	return "kpc"
 }
 
 // demoRulesHint is the demo's command showing kproxy's rules in mode.

@@ -6,6 +6,8 @@
 //	kpc status                      processes, API server and nodes
 //	kpc kubeconfig                  the host kubeconfig's path
 //	kpc exec <target> -- CMD...     run CMD in a node, client, control-plane or pod namespace
+//	kpc kubectl ARGS...             kubectl (built with the control plane) with the cluster's kubeconfig
+//	kpc demo                        start a cluster if needed, deploy an echo service, send traffic
 //	kpc down                        remove every namespace, link and process
 package main
 
