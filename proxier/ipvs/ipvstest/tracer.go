@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"strconv"
 	"strings"
 
 	"github.com/kproxy/kproxy/pkg/ipset"
@@ -224,9 +225,29 @@ func postIPVS(ctx context.Context, st State, p Packet, ep netip.AddrPort, mark u
 			return false, nil, fmt.Errorf("packet to %s after IPVS: %s", ep, o.Verdict)
 		}
 		masq = masq || o.Masquerade
-		path = o.Path
+		path = ownPath(o.Path, mark)
 	}
 	return masq, path, nil
+}
+
+// ownPath is a path through outputPath's copy as a path through the
+// ruleset: without the MARK rule outputPath put first in mangle OUTPUT.
+func ownPath(path []string, mark uint32) []string {
+	if mark == 0 {
+		return path
+	}
+	const prefix = "mangle/OUTPUT#"
+	var out []string
+	for _, w := range path {
+		if n, err := strconv.Atoi(strings.TrimPrefix(w, prefix)); err == nil && strings.HasPrefix(w, prefix) {
+			if n == 1 {
+				continue
+			}
+			w = prefix + strconv.Itoa(n-1)
+		}
+		out = append(out, w)
+	}
+	return out
 }
 
 // outputPath copies the ruleset as the output path of a packet IPVS
