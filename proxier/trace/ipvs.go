@@ -86,10 +86,7 @@ func traceIPVS(ctx context.Context, rep *Report, r Request, src Source, saved *i
 		steps := tr.steps(o.Netfilter.Path, o.Netfilter.DNAT)
 		switch {
 		case o.VirtualServer == nil && (o.Verdict == "DROP" || o.Verdict == "REJECT"):
-			p := Path{Verdict: Dropped, Steps: steps, Weight: 1}
-			if o.Verdict == "REJECT" {
-				p.Verdict = Rejected
-			}
+			p := Path{Verdict: pathVerdict(o.Verdict, ""), Steps: steps, Weight: 1}
 			tr.reason(p.Verdict, o.Netfilter.Path, label)
 			rep.Paths = append(rep.Paths, p)
 		case o.VirtualServer == nil && o.Netfilter.DNAT != "":
@@ -98,10 +95,8 @@ func traceIPVS(ctx context.Context, rep *Report, r Request, src Source, saved *i
 			// Local.
 			p := Path{Verdict: Delivered, DNAT: o.Netfilter.DNAT, Masquerade: o.Netfilter.Masquerade, Steps: steps, Weight: 1}
 			for _, where := range o.Netfilter.Path {
-				table, chain, num := splitWhere(where)
-				rules := st.fake.Rules(ipt.Table(table), ipt.Chain(chain))
-				if num >= 1 && num <= len(rules) && strings.Contains(rules[num-1], "-j DNAT") {
-					p.Weight = iptWeight(rules, num)
+				if r := iptRuleAt(st.fake, where); r.isDNAT() {
+					p.Weight = iptWeight(r.rules, r.n)
 				}
 			}
 			rep.Paths = append(rep.Paths, p)
@@ -175,32 +170,19 @@ type ipvsTrace struct {
 	ipv6 bool
 }
 
-// splitWhere splits "table/chain#n".
-func splitWhere(where string) (table, chain string, n int) {
-	tc, num, _ := strings.Cut(where, "#")
-	table, chain, _ = strings.Cut(tc, "/")
-	n, _ = strconv.Atoi(num)
-	return table, chain, n
-}
-
 // steps are the rules of a netfilter path, each followed by the entries of
 // the ipsets it matched; they name the report's Service when a comment
 // does.
 func (tr *ipvsTrace) steps(path []string, dnat string) []Step {
 	var out []Step
 	for _, where := range path {
-		table, chain, n := splitWhere(where)
-		rules := tr.fake.Rules(ipt.Table(table), ipt.Chain(chain))
-		text := ""
-		if n >= 1 && n <= len(rules) {
-			text = rules[n-1]
-		}
-		s := Step{Where: fmt.Sprintf("%s/%s rule %d", table, chain, n), Rule: "-A " + chain + " " + text, Service: serviceOf(iptComment(text))}
+		r := iptRuleAt(tr.fake, where)
+		s := r.step()
 		if s.Service != "" {
 			tr.rep.Service = s.Service
 		}
 		out = append(out, s)
-		for _, m := range setMatches(text) {
+		for _, m := range setMatches(r.text) {
 			if m.negate {
 				continue
 			}
@@ -309,14 +291,10 @@ func (tr *ipvsTrace) reason(verdict string, path []string, label string) {
 	if len(path) == 0 {
 		return
 	}
-	table, chain, n := splitWhere(path[len(path)-1])
-	rules := tr.fake.Rules(ipt.Table(table), ipt.Chain(chain))
-	text := ""
-	if n >= 1 && n <= len(rules) {
-		text = rules[n-1]
-	}
+	last := iptRuleAt(tr.fake, path[len(path)-1])
+	chain := last.chain
 	matched := map[string]bool{}
-	for _, m := range setMatches(text) {
+	for _, m := range setMatches(last.text) {
 		if !m.negate {
 			matched[strings.TrimSuffix(m.name, "6")] = true
 		}
@@ -340,6 +318,6 @@ func (tr *ipvsTrace) reason(verdict string, path []string, label string) {
 		rep.Reason = fmt.Sprintf("rejected: no Service uses %s port %d of %s, an address kproxy holds on the IPVS dummy device", tr.r.Protocol,
 			tr.r.DestinationPort, tr.r.Destination)
 	default:
-		rep.Reason = fmt.Sprintf("%s by %s/%s rule %d (%s)", verdict, table, chain, n, iptComment(text))
+		rep.Reason = fmt.Sprintf("%s by %s/%s rule %d (%s)", verdict, last.table, chain, last.n, iptComment(last.text))
 	}
 }
