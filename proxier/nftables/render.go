@@ -338,6 +338,33 @@ func shortComment(name proxy.ServicePortName) string {
 	return c
 }
 
+// Policies a no-endpoint element's comment names before the service port.
+const (
+	CommentInternalLocal = "internalTrafficPolicy=Local"
+	CommentExternalLocal = "externalTrafficPolicy=Local"
+)
+
+// noEndpointComment is the comment of a destination's no-endpoint element:
+// the service port and, for a drop, first the traffic policy that leaves
+// no endpoint here (internal for the ClusterIP, external for the others:
+// the model drops nothing else), so that kproxy trace can say which. The
+// service port stays the last field (commentOwner); a name too long for
+// both goes alone.
+func noEndpointComment(verdict string, kind proxy.DestinationKind, name proxy.ServicePortName) string {
+	c := shortComment(name)
+	if verdict != "drop" {
+		return c
+	}
+	policy := CommentExternalLocal
+	if kind == proxy.DestClusterIP {
+		policy = CommentInternalLocal
+	}
+	if len(policy)+1+len(c) < 128 {
+		c = policy + " " + c
+	}
+	return c
+}
+
 // filterVerdict is the verdict the filter chains give connections to a
 // destination that the nat chains did not DNAT: the non-delivering verdict
 // of its decisions (the model never gives one destination two), or "".
@@ -479,7 +506,7 @@ func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, 
 			value: []string{"goto " + shape.name()}, comment: dispatchComment(dr.hash, dr.counts(), permToken(dr.eps), st.Name)})
 	}
 	if v := filterVerdict(d, kind); v != "" {
-		dr.small = append(dr.small, elem{set: key.noEndpointMap(), key: key.dispatchKey(), value: []string{v}, comment: shortComment(st.Name)})
+		dr.small = append(dr.small, elem{set: key.noEndpointMap(), key: key.dispatchKey(), value: []string{v}, comment: noEndpointComment(v, kind, st.Name)})
 	}
 	return dr, nil
 }

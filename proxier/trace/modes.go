@@ -9,6 +9,7 @@ import (
 
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
+	nftbackend "github.com/kproxy/kproxy/proxier/nftables"
 	"github.com/kproxy/kproxy/proxier/nftables/nftablestest"
 	"sigs.k8s.io/knftables"
 )
@@ -52,45 +53,25 @@ func traceIPTables(rep *Report, r Request, st *iptablesState, local []netip.Addr
 	}
 	for _, o := range outs {
 		p := Path{Masquerade: o.Masquerade, DNAT: o.DNAT, Weight: 1}
-		var last struct {
-			table, chain string
-			n            int
-			rule         string
-		}
+		var last iptRule
 		for _, where := range o.Path {
-			tc, num, _ := strings.Cut(where, "#")
-			table, chain, _ := strings.Cut(tc, "/")
-			n, _ := strconv.Atoi(num)
-			rules := st.fake.Rules(ipt.Table(table), ipt.Chain(chain))
-			text := ""
-			if n >= 1 && n <= len(rules) {
-				text = rules[n-1]
-			}
-			s := Step{Where: fmt.Sprintf("%s/%s rule %d", table, chain, n), Rule: "-A " + chain + " " + text, Service: serviceOf(iptComment(text))}
+			r := iptRuleAt(st.fake, where)
+			s := r.step()
 			if s.Service != "" {
 				rep.Service = s.Service
 			}
 			p.Steps = append(p.Steps, s)
-			last.table, last.chain, last.n, last.rule = table, chain, n, text
-			if strings.Contains(text, "-j DNAT") {
-				p.Weight = iptWeight(rules, n)
-				if m := secondsFlag.FindStringSubmatch(strings.Join(rules, "\n")); m != nil && strings.Contains(strings.Join(rules, "\n"), "--rsource") {
+			last = r
+			if r.isDNAT() {
+				p.Weight = iptWeight(r.rules, r.n)
+				if m := secondsFlag.FindStringSubmatch(strings.Join(r.rules, "\n")); m != nil && strings.Contains(strings.Join(r.rules, "\n"), "--rsource") {
 					rep.AffinitySeconds, _ = strconv.Atoi(m[1])
 				}
 			}
 		}
-		switch {
-		case o.Verdict == "DROP":
-			p.Verdict = Dropped
-		case o.Verdict == "REJECT":
-			p.Verdict = Rejected
-		case o.DNAT != "":
-			p.Verdict = Delivered
-		default:
-			p.Verdict = NotHandled
-		}
+		p.Verdict = pathVerdict(o.Verdict, o.DNAT)
 		if p.Verdict == Dropped || p.Verdict == Rejected {
-			c := iptComment(last.rule)
+			c := iptComment(last.text)
 			svc := serviceOf(c)
 			switch {
 			case p.Verdict == Rejected && strings.Contains(c, iptNoEndpoints):
@@ -108,6 +89,51 @@ func traceIPTables(rep *Report, r Request, st *iptablesState, local []netip.Addr
 		rep.Paths = append(rep.Paths, p)
 	}
 	return nil
+}
+
+// iptRule is the rule of an iptables path at "table/chain#n" (n is
+// 1-based), with the rules of its chain.
+type iptRule struct {
+	table, chain string
+	n            int
+	// text is the rule ("" when the chain has no such rule).
+	text  string
+	rules []string
+}
+
+func iptRuleAt(fake *iptablestest.Fake, where string) iptRule {
+	tc, num, _ := strings.Cut(where, "#")
+	r := iptRule{}
+	r.table, r.chain, _ = strings.Cut(tc, "/")
+	r.n, _ = strconv.Atoi(num)
+	r.rules = fake.Rules(ipt.Table(r.table), ipt.Chain(r.chain))
+	if r.n >= 1 && r.n <= len(r.rules) {
+		r.text = r.rules[r.n-1]
+	}
+	return r
+}
+
+// step is the rule as a report shows it, with the Service its comment
+// names.
+func (r iptRule) step() Step {
+	return Step{Where: fmt.Sprintf("%s/%s rule %d", r.table, r.chain, r.n), Rule: "-A " + r.chain + " " + r.text,
+		Service: serviceOf(iptComment(r.text))}
+}
+
+func (r iptRule) isDNAT() bool { return strings.Contains(r.text, "-j DNAT") }
+
+// pathVerdict is a path's verdict from a tracer's final verdict (iptables'
+// "DROP", nftables' "drop", ...) and its DNAT.
+func pathVerdict(verdict, dnat string) string {
+	switch {
+	case strings.EqualFold(verdict, "drop"):
+		return Dropped
+	case strings.EqualFold(verdict, "reject"):
+		return Rejected
+	case dnat != "":
+		return Delivered
+	}
+	return NotHandled
 }
 
 // iptComment is the --comment of a rule, "" without one.
@@ -200,16 +226,7 @@ func traceNFTables(rep *Report, r Request, fake *knftables.Fake, local []netip.A
 				rep.AffinitySeconds, _ = strconv.Atoi(m[1])
 			}
 		}
-		switch {
-		case o.Verdict == "drop":
-			p.Verdict = Dropped
-		case o.Verdict == "reject":
-			p.Verdict = Rejected
-		case o.DNAT != "":
-			p.Verdict = Delivered
-		default:
-			p.Verdict = NotHandled
-		}
+		p.Verdict = pathVerdict(o.Verdict, o.DNAT)
 		if p.Verdict == Dropped || p.Verdict == Rejected {
 			svc := ""
 			if lastMap != nil {
@@ -232,13 +249,18 @@ func traceNFTables(rep *Report, r Request, fake *knftables.Fake, local []netip.A
 				rep.Reason = rejectNoEndpoints(svc)
 			case p.Verdict == Dropped && fromMap == nftNoEndpointNodePorts:
 				rep.Reason = dropLocal("externalTrafficPolicy", svc)
+			case p.Verdict == Dropped && fromMap == nftNoEndpointServices && strings.Contains(lastMap.Comment, nftbackend.CommentInternalLocal):
+				rep.Reason = dropLocal("internalTrafficPolicy", svc)
+			case p.Verdict == Dropped && fromMap == nftNoEndpointServices && strings.Contains(lastMap.Comment, nftbackend.CommentExternalLocal):
+				rep.Reason = dropLocal("externalTrafficPolicy", svc)
 			case p.Verdict == Dropped && fromMap == nftNoEndpointServices:
-				// The map does not say which kind of address this is. A
+				// A table of an older kproxy, whose element's comment does
+				// not name the policy: guess from the kind of address. A
 				// ClusterIP whose internalTrafficPolicy is Local and that
 				// has no local endpoint delivers no one; an external
-				// address whose externalTrafficPolicy is Local still
-				// delivers the node and pods (to every endpoint), or is
-				// a load-balancer IP.
+				// address whose externalTrafficPolicy is Local usually
+				// still delivers the node and pods (to every endpoint),
+				// or is a load-balancer IP.
 				if nftServiceAt(fake, nftServiceIPs, dispatchKey) != "" || nftInSet(fake, nftFirewallIPs, dispatchKey) {
 					rep.Reason = dropLocal("externalTrafficPolicy", svc)
 				} else {

@@ -1,9 +1,11 @@
 // Package trace answers "where does this packet go?" on a live node: it
 // reads kproxy's rules as the kernel holds them (iptables-save of the
 // packet's family in iptables mode, `nft list table` of kproxy's table in
-// nftables mode), walks them for the first packet of a connection with the
-// packet tracers the backends' tests use (pkg/iptables/iptablestest and
-// proxier/nftables/nftablestest), and says what happens in Service terms:
+// nftables mode, the IPVS virtual servers, kproxy's ipsets and its
+// iptables chains of IPVS mode in IPVS mode), walks them for the first
+// packet of a connection with the packet tracers the backends' tests use
+// (pkg/iptables/iptablestest, proxier/nftables/nftablestest and
+// proxier/ipvs/ipvstest), and says what happens in Service terms:
 // the rules met, the Service they belong to (from the comments kproxy
 // writes), and the outcome: DNAT to which endpoints with what probability,
 // masquerade, session affinity, drop or reject, and why.
@@ -22,7 +24,9 @@ import (
 	v1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/knftables"
 
+	"github.com/kproxy/kproxy/pkg/ipset"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/ipvs"
 	nftbackend "github.com/kproxy/kproxy/proxier/nftables"
 )
 
@@ -56,8 +60,8 @@ type Request struct {
 	// From is FromPod, FromNode or FromExternal; "" means FromNode when
 	// Source is one of the node's addresses, else FromExternal.
 	From string
-	// Mode is ModeIPTables or ModeNFTables; "" finds the mode whose state
-	// the node holds.
+	// Mode is ModeIPTables, ModeNFTables or ModeIPVS; "" finds the mode
+	// whose state the node holds.
 	Mode string
 }
 
@@ -68,8 +72,13 @@ type Source struct {
 	// NFT runs the nft command with args and returns its standard
 	// output; nil when nft is not usable.
 	NFT func(ctx context.Context, args ...string) ([]byte, error)
-	// LocalAddresses lists the node's addresses.
+	// LocalAddresses lists the node's addresses (in IPVS mode, the dummy
+	// device's included).
 	LocalAddresses func() ([]netip.Addr, error)
+	// IPVS and IPSet are the node's IPVS table and ipsets (nil: not
+	// usable), read in IPVS mode.
+	IPVS  ipvs.Interface
+	IPSet ipset.Interface
 }
 
 // Verdicts of a Report.
@@ -176,11 +185,9 @@ func (r *Request) Validate() error {
 		errs = append(errs, fmt.Errorf("--from %q: want pod, node or external", r.From))
 	}
 	switch r.Mode {
-	case "", ModeIPTables, ModeNFTables:
-	case ModeIPVS:
-		errs = append(errs, errors.New("kproxy trace does not read IPVS mode's state yet (iptables and nftables modes only)"))
+	case "", ModeIPTables, ModeNFTables, ModeIPVS:
 	default:
-		errs = append(errs, fmt.Errorf("--proxy-mode %q: want iptables or nftables", r.Mode))
+		errs = append(errs, fmt.Errorf("--proxy-mode %q: want iptables, nftables or ipvs", r.Mode))
 	}
 	return errors.Join(errs...)
 }
@@ -214,7 +221,7 @@ func Run(ctx context.Context, r Request, src Source) (*Report, error) {
 	var nftText []byte
 	var found []string
 	var readErrs []error
-	if (r.Mode == "" || r.Mode == ModeIPTables) && src.IPTables[family] != nil {
+	if r.Mode != ModeNFTables && src.IPTables[family] != nil {
 		st, err := readIPTables(ctx, src.IPTables[family])
 		if err != nil {
 			readErrs = append(readErrs, err)
@@ -249,10 +256,9 @@ func Run(ctx context.Context, r Request, src Source) (*Report, error) {
 		return nil, fmt.Errorf("this node holds the %s state of several proxy modes (%s): pass --proxy-mode", family, strings.Join(found, ", "))
 	}
 	switch {
-	case mode == ModeIPVS:
-		return nil, fmt.Errorf("this node runs kproxy in IPVS mode (%s chains found): kproxy trace does not read IPVS mode's state yet", family)
-	case mode == "" || (mode == ModeIPTables && (ipts == nil || !ipts.iptablesMode)) || (mode == ModeNFTables && nftText == nil):
-		what := "iptables or nftables"
+	case mode == "" || (mode == ModeIPTables && (ipts == nil || !ipts.iptablesMode)) || (mode == ModeNFTables && nftText == nil) ||
+		(mode == ModeIPVS && (ipts == nil || !ipts.ipvsMode)):
+		what := "iptables, nftables or IPVS-mode"
 		if mode != "" {
 			what = mode
 		}
@@ -267,9 +273,12 @@ func Run(ctx context.Context, r Request, src Source) (*Report, error) {
 		rep.Notes = append(rep.Notes, fmt.Sprintf("%s is not one of this node's addresses: the node sends from it only if it gets it", r.Source))
 	}
 	var err error
-	if mode == ModeIPTables {
+	switch mode {
+	case ModeIPTables:
 		err = traceIPTables(rep, r, ipts, local)
-	} else {
+	case ModeIPVS:
+		err = traceIPVS(ctx, rep, r, src, ipts, local)
+	default:
 		var fake *knftables.Fake
 		if fake, err = ParseNFTList(string(nftText), nftFamily, nftbackend.TableName); err == nil {
 			err = traceNFTables(rep, r, fake, local)
@@ -372,9 +381,10 @@ func serviceOf(comment string) string {
 	return ""
 }
 
-// serviceName drops the port of "namespace/name:port".
+// serviceName drops the port of "namespace/name:port" (a Service named
+// otherwise is kept whole).
 func serviceName(sp string) string {
-	if i := strings.LastIndex(sp, ":"); i > strings.Index(sp, "/") {
+	if i := strings.LastIndex(sp, ":"); strings.Contains(sp, "/") && i > strings.Index(sp, "/") {
 		return sp[:i]
 	}
 	return sp

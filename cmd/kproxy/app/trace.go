@@ -20,7 +20,9 @@ import (
 	"github.com/spf13/cobra"
 	v1 "k8s.io/api/core/v1"
 
+	"github.com/kproxy/kproxy/pkg/ipset"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
+	"github.com/kproxy/kproxy/pkg/ipvs"
 	"github.com/kproxy/kproxy/pkg/netlink"
 	"github.com/kproxy/kproxy/proxier/trace"
 )
@@ -50,8 +52,9 @@ func newTraceCommand(stdout io.Writer, open traceSource) *cobra.Command {
 		Use:   "trace --src IP --dst IP --dport PORT [--proto tcp|udp|sctp] [--from pod|node|external] [-o text|json]",
 		Short: "Show where this node's kproxy rules send the first packet of a connection",
 		Long: `kproxy trace reads kproxy's rules as this node's kernel holds them now
-(iptables-save in iptables mode, kproxy's nftables table in nftables mode),
-walks them for the first packet of a connection and prints the rules it
+(iptables-save in iptables mode, kproxy's nftables table in nftables mode,
+the IPVS virtual servers and real servers, kproxy's ipsets and its iptables
+chains in IPVS mode), walks them for the first packet of a connection and prints the rules it
 meets, the Service they belong to, and the outcome: DNAT to which endpoints
 with what probability, masquerade, session affinity, or drop or reject and
 why. It only reads, whether or not the kproxy agent runs.
@@ -60,7 +63,10 @@ why. It only reads, whether or not the kproxy agent runs.
 on one of the node's interfaces), or the node itself. By default it is
 "node" when --src is one of the node's addresses, else "external".
 
-IPVS mode is not supported yet.`,
+In IPVS mode the kernel does not name Services: the report names one by its
+virtual server ("ClusterIP TCP 10.96.0.10:80") unless a rule's comment
+names it, and a real server's probability is its share of the weights
+(round robin: its share of new connections over time).`,
 		Args:          cobra.NoArgs,
 		SilenceUsage:  true,
 		SilenceErrors: true,
@@ -97,8 +103,8 @@ IPVS mode is not supported yet.`,
 	fs.StringVar(&o.proto, "proto", o.proto, "Protocol: tcp, udp or sctp")
 	fs.StringVar(&o.from, "from", "", "Where the packet comes from: pod, node or external (default: node for one of the node's addresses, else external)")
 	fs.StringVarP(&o.output, "output", "o", o.output, "Output format: text or json")
-	fs.StringVar(&o.proxyMode, "proxy-mode", "", "Read this mode's state: iptables or nftables (default: the mode whose state the node holds)")
-	fs.DurationVar(&o.timeout, "timeout", o.timeout, "Bound on each iptables-save or nft run")
+	fs.StringVar(&o.proxyMode, "proxy-mode", "", "Read this mode's state: iptables, nftables or ipvs (default: the mode whose state the node holds)")
+	fs.DurationVar(&o.timeout, "timeout", o.timeout, "Bound on each iptables-save or nft run and each IPVS or ipset request")
 	return cmd
 }
 
@@ -125,11 +131,27 @@ func (o *traceOptions) request() (trace.Request, error) {
 	return req, req.Validate()
 }
 
-// openLiveTraceSource reads this node: iptables of family, the nft command
-// and the interfaces' addresses.
+// openLiveTraceSource reads this node: iptables of family, the nft command,
+// IPVS and ipsets (when the kernel has IPVS loaded: never loads it) and
+// the interfaces' addresses.
 func openLiveTraceSource(ctx context.Context, family v1.IPFamily, timeout time.Duration) (trace.Source, func()) {
 	src := trace.Source{IPTables: map[v1.IPFamily]ipt.Interface{}, LocalAddresses: netlink.HostAddresses}
-	closeFn := func() {}
+	var closers []func()
+	closeFn := func() {
+		for _, c := range closers {
+			c()
+		}
+	}
+	if _, err := os.Stat("/proc/net/ip_vs"); err == nil {
+		if i, err := ipvs.New(ipvs.Options{Timeout: timeout}); err == nil {
+			src.IPVS = i
+			closers = append(closers, func() { _ = i.Close() })
+		}
+		if s, err := ipset.New(ipset.Options{Timeout: timeout}); err == nil {
+			src.IPSet = s
+			closers = append(closers, func() { _ = s.Close() })
+		}
+	}
 	proto := ipt.ProtocolIPv4
 	if family == v1.IPv6Protocol {
 		proto = ipt.ProtocolIPv6
@@ -137,7 +159,7 @@ func openLiveTraceSource(ctx context.Context, family v1.IPFamily, timeout time.D
 	if i, err := ipt.New(ctx, ipt.Options{Protocol: proto, Timeout: timeout, RestoreTimeout: timeout}); err == nil {
 		src.IPTables[family] = i
 		if r, ok := i.(*ipt.Real); ok {
-			closeFn = func() { _ = r.Close() }
+			closers = append(closers, func() { _ = r.Close() })
 		}
 	}
 	if path, err := exec.LookPath("nft"); err == nil {

@@ -11,9 +11,15 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
 
+	"github.com/kproxy/kproxy/pkg/ipset"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/iptables/iptablestest"
+	"github.com/kproxy/kproxy/pkg/ipvs"
+	"github.com/kproxy/kproxy/pkg/netlink"
+	ipvsbackend "github.com/kproxy/kproxy/proxier/ipvs"
+	pt "github.com/kproxy/kproxy/proxier/proxiertest"
 	"github.com/kproxy/kproxy/proxier/trace"
 )
 
@@ -82,14 +88,24 @@ func TestTraceCommand(t *testing.T) {
 			wantErr: `--proto "icmp"`},
 		{name: "bad output", args: []string{"--src", "10.0.0.9", "--dst", "10.96.0.10", "--dport", "80", "-o", "yaml"},
 			wantErr: `-o "yaml"`},
-		{name: "IPVS mode asked for", args: []string{"--src", "10.0.0.9", "--dst", "10.96.0.10", "--dport", "80", "--proxy-mode", "ipvs"},
-			wantErr: "does not read IPVS mode's state yet"},
+		{name: "bad mode", args: []string{"--src", "10.0.0.9", "--dst", "10.96.0.10", "--dport", "80", "--proxy-mode", "userspace"},
+			wantErr: `--proxy-mode "userspace": want iptables, nftables or ipvs`},
+		{name: "IPVS mode asked for on an iptables-mode node", args: []string{"--src", "10.0.0.9", "--dst", "10.96.0.10", "--dport", "80", "--proxy-mode", "ipvs"},
+			node: fakeTraceNode(t, iptablesModeRules, ""), wantErr: "no kproxy state on this node: no IPv4 ipvs rules of kproxy found"},
 		{name: "no state on the node", args: []string{"--src", "10.0.0.9", "--dst", "10.96.0.10", "--dport", "80"},
-			node: fakeTraceNode(t, "", ""), wantErr: "no kproxy state on this node: no IPv4 iptables or nftables rules of kproxy found"},
+			node: fakeTraceNode(t, "", ""), wantErr: "no kproxy state on this node: no IPv4 iptables, nftables or IPVS-mode rules of kproxy found"},
 		{name: "no state of the mode asked for", args: []string{"--src", "10.0.0.9", "--dst", "10.96.0.10", "--dport", "80", "--proxy-mode", "nftables"},
 			node: fakeTraceNode(t, iptablesModeRules, ""), wantErr: "no IPv4 nftables rules of kproxy found"},
 		{name: "IPVS mode's chains", args: []string{"--src", "10.0.0.9", "--dst", "10.96.0.10", "--dport", "80"},
-			node: fakeTraceNode(t, "*nat\n:KPROXY-IPVS-SERVICES - [0:0]\nCOMMIT\n", ""), wantErr: "IPVS mode"},
+			node: fakeTraceNode(t, "*nat\n:KPROXY-IPVS-SERVICES - [0:0]\nCOMMIT\n", ""), wantErr: "IPVS table or ipsets cannot be read"},
+		{name: "IPVS mode detected", args: []string{"--src", "10.244.1.9", "--dst", "10.96.0.10", "--dport", "80", "--from", "pod"},
+			node: fakeIPVSTraceNode(t),
+			wantOut: []string{"rules:   kproxy ipvs mode, IPv4", "service: ClusterIP TCP 10.96.0.10:80",
+				"verdict: delivered: ClusterIP TCP 10.96.0.10:80 to one of 2 endpoint(s), not masqueraded",
+				"10.244.1.5:8080          probability  50.0%  masquerade no", "ipvs virtual server: TCP 10.96.0.10:80 rr",
+				"ipset KPROXY-CLUSTER-IP: 10.96.0.10,tcp:80", "note: IPVS scheduler rr takes the real servers in turn"}},
+		{name: "IPVS mode: no endpoints", args: []string{"--src", "10.244.1.9", "--dst", "10.96.0.11", "--dport", "80", "--proxy-mode", "ipvs", "-o", "json"},
+			node: fakeIPVSTraceNode(t), wantJSON: trace.Rejected},
 		{name: "delivered", args: []string{"--src", "10.244.1.9", "--dst", "10.96.0.10", "--dport", "80", "--from", "pod"},
 			node: fakeTraceNode(t, iptablesModeRules, ""),
 			wantOut: []string{"service: default/web:http", "verdict: delivered: default/web:http to one of 1 endpoint(s), not masqueraded",
@@ -149,5 +165,29 @@ func TestMainTraceExitCode(t *testing.T) {
 	}
 	if !strings.Contains(errOut.String(), "--dport 0 is out of range") {
 		t.Errorf("stderr %q", errOut.String())
+	}
+}
+
+// fakeIPVSTraceNode is a node in IPVS mode: the IPVS backend renders two
+// ClusterIP services (one with two endpoints, one without) into fakes.
+func fakeIPVSTraceNode(t *testing.T) traceSource {
+	env := pt.DefaultEnv()
+	fakeIPVS, nl, sets, fipt := ipvs.NewFake(), netlink.NewFake(), ipset.NewFake(), iptablestest.NewFake(ipt.ProtocolIPv4)
+	if err := nl.AddDevice("eth0", env.NodeIPs...); err != nil {
+		t.Fatal(err)
+	}
+	b, err := ipvsbackend.New(ipvsbackend.Options{IPVS: fakeIPVS, Netlink: nl, IPSet: sets, IPTables: fipt,
+		Sysctl: ipvsbackend.NewFakeSysctl(nil)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := pt.NewEngine(t, b, pt.EngineOptions{Env: env,
+		Services: []*v1.Service{pt.Service("web", "10.96.0.10"), pt.Service("empty", "10.96.0.11")},
+		Slices: []*discovery.EndpointSlice{pt.Slice("web", 8080, pt.EP{IP: "10.244.1.5", Node: "node-b"},
+			pt.EP{IP: "10.244.2.5", Node: "node-b"})}})
+	pt.Sync(t, e)
+	return func(ctx context.Context, family v1.IPFamily, _ time.Duration) (trace.Source, func()) {
+		return trace.Source{IPTables: map[v1.IPFamily]ipt.Interface{v1.IPv4Protocol: fipt}, IPVS: fakeIPVS, IPSet: sets,
+			LocalAddresses: func() ([]netip.Addr, error) { return nl.LocalAddresses(ctx) }}, func() {}
 	}
 }

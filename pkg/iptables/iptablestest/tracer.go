@@ -602,21 +602,26 @@ func (tr *tracer) recent(st *traceState, m *RecentMatch) (bool, traceState, bool
 	return false, traceState{}, false, fmt.Errorf("recent --%s is not supported by the tracer", m.Command)
 }
 
-// ipset looks the packet up in an ipset from TraceOptions.IPSets.
+// ipset looks the packet up in an ipset from TraceOptions.IPSets. Entries
+// have one dimension ("ip" or "cidr"), two ("ip,proto:port", "ip,port"
+// meaning tcp) or three ("ip,proto:port,ip" or "ip,proto:port,cidr"), as
+// many as the match's flags.
 func (tr *tracer) ipset(st *traceState, m *SetMatch) (bool, error) {
 	entries, ok := tr.opts.IPSets[m.Name]
 	if !ok {
 		return false, fmt.Errorf("ipset %q is not in TraceOptions.IPSets", m.Name)
 	}
-	if len(m.Flags) > 2 {
-		return false, fmt.Errorf("ipset %q: more than two dimensions are not supported by the tracer", m.Name)
+	if len(m.Flags) > 3 {
+		return false, fmt.Errorf("ipset %q: more than three dimensions are not supported by the tracer", m.Name)
 	}
-	addr := tr.pkt.Source
-	if m.Flags[0] == "dst" {
-		addr = st.dst
+	addrOf := func(flag string) netip.Addr {
+		if flag == "dst" {
+			return st.dst
+		}
+		return tr.pkt.Source
 	}
 	port := 0
-	if len(m.Flags) == 2 {
+	if len(m.Flags) >= 2 {
 		port = tr.pkt.SourcePort
 		if m.Flags[1] == "dst" {
 			port = st.dport
@@ -624,31 +629,21 @@ func (tr *tracer) ipset(st *traceState, m *SetMatch) (bool, error) {
 	}
 	found := false
 	for _, e := range entries {
-		ipPart, portPart, hasPort := strings.Cut(e, ",")
-		if hasPort != (len(m.Flags) == 2) {
+		parts := strings.Split(e, ",")
+		if len(parts) != len(m.Flags) {
 			return false, fmt.Errorf("ipset %q entry %q does not fit the match's %d dimension(s)", m.Name, e, len(m.Flags))
 		}
-		var ipOK bool
-		if strings.Contains(ipPart, "/") {
-			pfx, err := netip.ParsePrefix(ipPart)
-			if err != nil {
-				return false, fmt.Errorf("ipset %q: bad entry %q", m.Name, e)
-			}
-			ipOK = pfx.Contains(addr)
-		} else {
-			a, err := netip.ParseAddr(ipPart)
-			if err != nil {
-				return false, fmt.Errorf("ipset %q: bad entry %q", m.Name, e)
-			}
-			ipOK = a == addr
+		ipOK, err := addrInEntry(parts[0], addrOf(m.Flags[0]))
+		if err != nil {
+			return false, fmt.Errorf("ipset %q: bad entry %q", m.Name, e)
 		}
 		if !ipOK {
 			continue
 		}
-		if hasPort {
-			proto, portStr, withProto := strings.Cut(portPart, ":")
+		if len(parts) >= 2 {
+			proto, portStr, withProto := strings.Cut(parts[1], ":")
 			if !withProto {
-				proto, portStr = "tcp", portPart
+				proto, portStr = "tcp", parts[1]
 			}
 			n, err := parsePort(portStr)
 			if err != nil {
@@ -658,8 +653,34 @@ func (tr *tracer) ipset(st *traceState, m *SetMatch) (bool, error) {
 				continue
 			}
 		}
+		if len(parts) == 3 {
+			ok, err := addrInEntry(parts[2], addrOf(m.Flags[2]))
+			if err != nil {
+				return false, fmt.Errorf("ipset %q: bad entry %q", m.Name, e)
+			}
+			if !ok {
+				continue
+			}
+		}
 		found = true
 		break
 	}
 	return found != m.Negate, nil
+}
+
+// addrInEntry reports whether addr is the address, or in the network, of
+// one dimension of a set entry.
+func addrInEntry(part string, addr netip.Addr) (bool, error) {
+	if strings.Contains(part, "/") {
+		pfx, err := netip.ParsePrefix(part)
+		if err != nil {
+			return false, err
+		}
+		return pfx.Contains(addr), nil
+	}
+	a, err := netip.ParseAddr(part)
+	if err != nil {
+		return false, err
+	}
+	return a == addr, nil
 }

@@ -426,6 +426,20 @@ func TestTraceSmallRulesets(t *testing.T) {
 			want: []string{"ACCEPT mark=0x7"},
 		},
 		{
+			name: "ipset with three dimensions: ip,port,ip and ip,port,net",
+			rules: []string{"*filter", ":SRC - [0:0]", "-A INPUT -j SRC",
+				"-A SRC -m set --match-set LB-SRC-IP dst,dst,src -j MARK --or-mark 0x1",
+				"-A SRC -m set --match-set LB-SRC-NET dst,dst,src -j MARK --or-mark 0x2",
+				"-A SRC -m set ! --match-set LB-SRC-OTHER dst,dst,src -j MARK --or-mark 0x4", "COMMIT"},
+			pkt: Packet{Source: mustAddr("10.0.0.7"), Destination: nodeIP, Protocol: "tcp", SourcePort: 5, DestinationPort: 80},
+			opts: TraceOptions{LocalAddrs: []netip.Addr{nodeIP}, IPSets: map[string][]string{
+				"LB-SRC-IP":    {nodeIP.String() + ",tcp:80,10.0.0.7"},
+				"LB-SRC-NET":   {nodeIP.String() + ",udp:80,10.0.0.0/24", nodeIP.String() + ",tcp:80,10.0.0.0/29"},
+				"LB-SRC-OTHER": {nodeIP.String() + ",tcp:80,10.0.0.8/29", nodeIP.String() + ",tcp:81,10.0.0.7"},
+			}},
+			want: []string{"ACCEPT mark=0x7"},
+		},
+		{
 			name:     "IPv6 service with non-contiguous dispatch and masquerade",
 			protocol: iptables.ProtocolIPv6,
 			rules: []string{"*nat", ":KUBE-SVC - [0:0]", ":KUBE-MARK-MASQ - [0:0]",
