@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os/exec"
 	"path/filepath"
 	"reflect"
@@ -132,6 +133,12 @@ func realNFTablesKernel(binary string) pt.RealKernel {
 			}); err != nil {
 				t.Fatalf("nft in %s: %v", node.NS.Name, err)
 			}
+			// Its nft session ends with the test.
+			t.Cleanup(func() {
+				if c, ok := real.(io.Closer); ok {
+					_ = c.Close()
+				}
+			})
 			b, err := nftbackend.New(nftbackend.Options{NFTables: &nsNFT{ns: node.NS, Interface: real}, Family: node.Env.Family,
 				NodePortAddresses: node.Env.NodePortAddresses, LocalAddresses: node.LocalAddresses})
 			if err != nil {
