@@ -119,7 +119,7 @@ func check(ctx context.Context, fl *Flow, mode string, tr Tracer) *LiveCheck {
 	rep, err := tr(ctx, requestOf(fl, mode))
 	switch {
 	case errors.Is(err, trace.ErrNoState):
-		return &LiveCheck{Result: Skipped, Mode: mode, Detail: fmt.Sprintf("no %s rules of kproxy on this node: nothing to compare with (%v)", fl.family, err)}
+		return &LiveCheck{Result: Skipped, Mode: mode, Detail: fmt.Sprintf("nothing to compare with: %v", err)}
 	case err != nil && (mode == trace.ModeIPVS || strings.Contains(err.Error(), "IPVS mode")):
 		return &LiveCheck{Result: Skipped, Mode: trace.ModeIPVS, Detail: "live comparison not available in ipvs mode (" + err.Error() + ")"}
 	case err != nil:

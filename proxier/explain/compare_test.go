@@ -162,9 +162,9 @@ func TestCompareSkipped(t *testing.T) {
 	for _, tc := range []struct {
 		mode, detail string
 	}{
-		{mode: "", detail: "no IPv4 rules of kproxy on this node"},
-		{mode: trace.ModeIPTables, detail: "no IPv4 rules of kproxy on this node"},
-		{mode: trace.ModeNFTables, detail: "no IPv4 rules of kproxy on this node"},
+		{mode: "", detail: "nothing to compare with: no kproxy state on this node: no IPv4 iptables or nftables rules of kproxy found"},
+		{mode: trace.ModeIPTables, detail: "nothing to compare with: no kproxy state on this node: no IPv4 iptables rules of kproxy found"},
+		{mode: trace.ModeNFTables, detail: "nothing to compare with: no kproxy state on this node: no IPv4 nftables rules of kproxy found"},
 		{mode: trace.ModeIPVS, detail: "live comparison not available in ipvs mode"},
 	} {
 		t.Run("mode="+tc.mode, func(t *testing.T) {
