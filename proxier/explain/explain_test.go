@@ -37,6 +37,7 @@ func testNodes() []runtime.Object {
 	mk := func(name, ip, zone, group string) *v1.Node {
 		return &v1.Node{
 			ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{v1.LabelTopologyZone: zone, groupLabel: group}},
+			Spec:       v1.NodeSpec{PodCIDRs: []string{"10.244." + ip[len("10.0.0."):] + ".0/24"}},
 			Status:     v1.NodeStatus{Addresses: []v1.NodeAddress{{Type: v1.NodeInternalIP, Address: ip}}},
 		}
 	}
@@ -194,7 +195,7 @@ func explainCases() []explainCase {
 		{name: "cluster policy", svc: testService(nodePort), slice: testSlice(local1, remote2),
 			clusterWhy: "every one of the ready endpoints",
 			flows: map[string]want{
-				"ClusterIP/pod":   {verdict: Delivered, endpoints: []string{ep1, ep2}, reason: "not masqueraded (the endpoint sees 10.244.0.1)"},
+				"ClusterIP/pod":   {verdict: Delivered, endpoints: []string{ep1, ep2}, reason: "not masqueraded (the endpoint sees 10.244.1.2)"},
 				"ClusterIP/node":  {verdict: Delivered, endpoints: []string{ep1, ep2}, masq: true, reason: "outside the cluster CIDR"},
 				"ClusterIP/other": {verdict: Delivered, endpoints: []string{ep1, ep2}, masq: true},
 				"NodePort/pod":    {verdict: Delivered, endpoints: []string{ep1, ep2}, masq: true, reason: "externalTrafficPolicy is Cluster"},
@@ -206,7 +207,7 @@ func explainCases() []explainCase {
 			flows: map[string]want{
 				"ClusterIP/pod":  {verdict: Delivered, endpoints: []string{ep1, ep2}},
 				"NodePort/other": {verdict: Delivered, endpoints: []string{ep1}, reason: "externalTrafficPolicy is Local, the client's address is kept"},
-				"NodePort/pod":   {verdict: Delivered, endpoints: []string{ep1, ep2}, reason: "a pod reaching this address is sent to any endpoint"},
+				"NodePort/pod":   {verdict: Delivered, endpoints: []string{ep1, ep2}, reason: "a pod here reaching this address is sent to any endpoint"},
 				"NodePort/node":  {verdict: Delivered, endpoints: []string{ep1, ep2}, masq: true},
 			}},
 		{name: "externalTrafficPolicy Local without a local endpoint", svc: testService(etpLocal, externalIP("192.0.2.10")), slice: testSlice(remote2, remote3),
@@ -278,7 +279,7 @@ func explainCases() []explainCase {
 			}},
 		{name: "session affinity", svc: testService(affinity), slice: testSlice(local1, remote2), affinity: 600,
 			flows: map[string]want{
-				"ClusterIP/pod": {verdict: Delivered, endpoints: []string{ep1, ep2}, reason: "ClientIP affinity keeps 10.244.0.1 on its endpoint for 600s"},
+				"ClusterIP/pod": {verdict: Delivered, endpoints: []string{ep1, ep2}, reason: "ClientIP affinity keeps 10.244.1.2 on its endpoint for 600s"},
 			}},
 	}
 }

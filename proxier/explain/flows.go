@@ -203,7 +203,7 @@ func (f *familyExplainer) flows(p *Port, st *proxy.ServiceState, raw []*proxy.En
 	opts := f.state.Options
 	sources := map[proxy.SourceClass]netip.Addr{}
 	if opts.ClusterCIDR.IsValid() {
-		sources[proxy.SourcePod] = podSource(opts.ClusterCIDR, raw, f.nodeIP)
+		sources[proxy.SourcePod] = podSource(f.podCIDR(opts.ClusterCIDR), raw, f.nodeIP)
 	} else {
 		f.note(fmt.Sprintf("%s: the cluster CIDR is unknown (--cluster-cidr): kproxy cannot tell pods from other sources, a pod's connections get the decisions shown for \"other\"", fam))
 	}
@@ -285,11 +285,28 @@ func (f *familyExplainer) nodePortAddress(npa *proxy.NodePortAddresses) netip.Ad
 	return netip.Addr{}
 }
 
-// podSource is an address of the cluster CIDR that is no endpoint (a pod
+// podCIDR is this node's pod CIDR of the family when the cluster CIDR
+// holds it (a pod here), else the cluster CIDR.
+func (f *familyExplainer) podCIDR(cluster netip.Prefix) netip.Prefix {
+	cidrs := f.in.node.Spec.PodCIDRs
+	if len(cidrs) == 0 && f.in.node.Spec.PodCIDR != "" {
+		cidrs = []string{f.in.node.Spec.PodCIDR}
+	}
+	for _, c := range cidrs {
+		p, err := netip.ParsePrefix(c)
+		if err == nil && cluster.Contains(p.Addr()) && p.Bits() >= cluster.Bits() {
+			return p.Masked()
+		}
+	}
+	return cluster
+}
+
+// podSource is an address of the pod CIDR that is no endpoint (a pod
 // reaching itself through the service is a hairpin, masqueraded) and not
-// the node's.
+// the node's; the CIDR's first address is skipped (often the node's
+// bridge).
 func podSource(cidr netip.Prefix, eps []*proxy.Endpoint, nodeIP netip.Addr) netip.Addr {
-	a := cidr.Masked().Addr().Next()
+	a := cidr.Masked().Addr().Next().Next()
 	for range 1024 {
 		if !cidr.Contains(a.Next()) {
 			break
@@ -346,15 +363,15 @@ func (f *familyExplainer) flow(st *proxy.ServiceState, raw []*proxy.Endpoint, ki
 		var which string
 		switch {
 		case dec.ShortCircuit && class == proxy.SourceNode:
-			which = "the cluster endpoints: externalTrafficPolicy is Local, but the node itself reaching this address is sent to any endpoint, as if it went out to the load balancer and came back"
+			which = fmt.Sprintf("the %d cluster endpoint(s) (externalTrafficPolicy is Local, but the node itself reaching this address is sent to any endpoint, as if it went out to the load balancer and came back)", len(eps))
 		case dec.ShortCircuit:
-			which = "the cluster endpoints: externalTrafficPolicy is Local, but a pod reaching this address is sent to any endpoint, as if it went out to the load balancer and came back"
+			which = fmt.Sprintf("the %d cluster endpoint(s) (externalTrafficPolicy is Local, but a pod here reaching this address is sent to any endpoint, as if it went out to the load balancer and came back)", len(eps))
 		case dec.Endpoints == proxy.SelectLocal && kind == proxy.DestClusterIP:
-			which = "the endpoints on this node (internalTrafficPolicy is Local)"
+			which = fmt.Sprintf("the %d endpoint(s) on this node (internalTrafficPolicy is Local)", len(eps))
 		case dec.Endpoints == proxy.SelectLocal:
-			which = "the endpoints on this node (externalTrafficPolicy is Local, the client's address is kept)"
+			which = fmt.Sprintf("the %d endpoint(s) on this node (externalTrafficPolicy is Local, the client's address is kept)", len(eps))
 		default:
-			which = "the cluster endpoints"
+			which = fmt.Sprintf("the %d cluster endpoint(s)", len(eps))
 		}
 		masq := fmt.Sprintf("not masqueraded (the endpoint sees %s)", src)
 		if dec.Masquerade {
@@ -370,7 +387,7 @@ func (f *familyExplainer) flow(st *proxy.ServiceState, raw []*proxy.Endpoint, ki
 				masq += ": externalTrafficPolicy is Cluster"
 			}
 		}
-		fl.Reason = fmt.Sprintf("delivered: %s to one of %d endpoint(s), %s, %s", sp.Name, len(eps), which, masq)
+		fl.Reason = fmt.Sprintf("delivered: %s to one of %s, %s", sp.Name, which, masq)
 		if d.AffinitySeconds > 0 {
 			fl.Reason += fmt.Sprintf("; ClientIP affinity keeps %s on its endpoint for %ds", src, d.AffinitySeconds)
 		}
