@@ -94,7 +94,9 @@ func renderedNode(t *testing.T, objs []runtime.Object) traceSource {
 	}
 	return func(context.Context, v1.IPFamily, time.Duration) (trace.Source, func()) {
 		return trace.Source{IPTables: map[v1.IPFamily]ipt.Interface{v1.IPv4Protocol: fakeIPT}, LocalAddresses: explainLocal,
-			NFT: func(context.Context, ...string) ([]byte, error) { return nil, errors.New("Error: No such file or directory") }}, func() {}
+			NFT: func(context.Context, ...string) ([]byte, error) {
+				return nil, errors.New("Error: No such file or directory")
+			}}, func() {}
 	}
 }
 
