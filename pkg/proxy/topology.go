@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"strings"
+
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 )
@@ -82,7 +84,7 @@ func CategorizeEndpoints(endpoints []*Endpoint, svc *ServicePort, topo TopologyI
 	// endpoint, so it is not necessarily a superset of localEndpoints.
 	clusterFiltered := false
 	if svc.UsesClusterEndpoints() {
-		clusterEndpoints, clusterFiltered = clusterPolicyEndpoints(endpoints, svc, &topo)
+		clusterEndpoints, clusterFiltered = clusterPolicyEndpoints(endpoints, svc, &topo, nil)
 		if len(clusterEndpoints) > 0 {
 			hasAnyEndpoints = true
 		}
@@ -131,19 +133,64 @@ func CategorizeEndpoints(endpoints []*Endpoint, svc *ServicePort, topo TopologyI
 	return clusterEndpoints, localEndpoints, unionEndpoints(endpoints, clusterEndpoints, localEndpoints), hasAnyEndpoints
 }
 
+// ClusterEndpointsChoice says how CategorizeEndpoints chose a service
+// port's Cluster-policy endpoints on this node; `kproxy explain` reports it
+// (docs/design.md, "kproxy explain").
+type ClusterEndpointsChoice struct {
+	// Hints is the topology hints that filtered the endpoints:
+	// "PreferSameNode" (node hints naming this node) or "PreferSameZone"
+	// (zone hints naming this node's zone); "" when hints did not filter.
+	Hints string
+	// HintsIgnored says why the endpoints' hints were not used; "" when
+	// they were, or when not every Ready endpoint has them.
+	HintsIgnored string
+	// Zone is this node's topology.kubernetes.io/zone label ("" if none).
+	Zone string
+	// TerminatingFallback: no endpoint was usable Ready, so the serving
+	// terminating ones were taken.
+	TerminatingFallback bool
+	// TopologyKey is the topologyKeys entry that selected the endpoints
+	// ("*" for any endpoint) and TopologyValue this node's value of it;
+	// both "" when the service has no topology keys or none selected any
+	// endpoint.
+	TopologyKey, TopologyValue string
+}
+
+// ExplainClusterEndpoints reports how CategorizeEndpoints chooses the
+// Cluster-policy endpoints of svc on this node, by running the same
+// selection.
+func ExplainClusterEndpoints(endpoints []*Endpoint, svc *ServicePort, topo TopologyInfo) ClusterEndpointsChoice {
+	var c ClusterEndpointsChoice
+	if len(endpoints) > 0 {
+		clusterPolicyEndpoints(endpoints, svc, &topo, &c)
+	}
+	return c
+}
+
 // clusterPolicyEndpoints picks the endpoints for Cluster-policy traffic.
 // filtered reports whether topology may have removed some Ready endpoint.
-func clusterPolicyEndpoints(endpoints []*Endpoint, svc *ServicePort, topo *TopologyInfo) (eps []*Endpoint, filtered bool) {
+// why, when not nil, receives how the endpoints were chosen.
+func clusterPolicyEndpoints(endpoints []*Endpoint, svc *ServicePort, topo *TopologyInfo, why *ClusterEndpointsChoice) (eps []*Endpoint, filtered bool) {
+	if why == nil {
+		why = &ClusterEndpointsChoice{}
+	}
+	zone := topo.NodeLabels[v1.LabelTopologyZone]
+	why.Zone = zone
 	if len(svc.TopologyKeys) > 0 {
 		candidates := filterEndpoints(endpoints, func(ep *Endpoint) bool { return ep.Ready })
 		if len(candidates) == 0 {
 			candidates = filterEndpoints(endpoints, func(ep *Endpoint) bool { return ep.Serving && ep.Terminating })
+			why.TerminatingFallback = len(candidates) > 0
 		}
-		return filterByTopologyKeys(candidates, svc, topo), true
+		eps, why.TopologyKey, why.TopologyValue = filterByTopologyKeys(candidates, svc, topo)
+		return eps, true
 	}
 
-	zone := topo.NodeLabels[v1.LabelTopologyZone]
-	mode := topologyModeFromHints(endpoints, svc, topo.NodeName, zone)
+	mode, ignored := topologyModeFromHints(endpoints, topo.NodeName, zone)
+	if ignored != "" {
+		klog.Background().V(4).Info("Ignoring topology hints", "service", svc.Name.String(), "node", topo.NodeName, "zone", zone, "reason", ignored)
+	}
+	why.Hints, why.HintsIgnored = string(mode), ignored
 	eps = filterEndpoints(endpoints, func(ep *Endpoint) bool {
 		return ep.Ready && availableForTopology(ep, mode, topo.NodeName, zone)
 	})
@@ -152,6 +199,7 @@ func clusterPolicyEndpoints(endpoints []*Endpoint, svc *ServicePort, topo *Topol
 		// zone, so an empty list means nothing is Ready anywhere: fall back
 		// to serving terminating endpoints, without topology.
 		eps = filterEndpoints(endpoints, func(ep *Endpoint) bool { return ep.Serving && ep.Terminating })
+		why.TerminatingFallback = len(eps) > 0
 	}
 	return eps, mode != topologyModeNone
 }
@@ -159,8 +207,9 @@ func clusterPolicyEndpoints(endpoints []*Endpoint, svc *ServicePort, topo *Topol
 // topologyModeFromHints chooses how hints filter the Cluster endpoints:
 // same-node when every Ready endpoint has node hints and one names this node;
 // else same-zone when every Ready endpoint has zone hints and one names this
-// node's zone; else no filtering.
-func topologyModeFromHints(endpoints []*Endpoint, svc *ServicePort, nodeName, zone string) topologyMode {
+// node's zone; else no filtering. ignored says why hints that every Ready
+// endpoint carries were not used.
+func topologyModeFromHints(endpoints []*Endpoint, nodeName, zone string) (mode topologyMode, ignored string) {
 	anyReady := false
 	allNodeHints, nodeHinted := true, false
 	allZoneHints, zoneHinted := true, false
@@ -181,27 +230,27 @@ func topologyModeFromHints(endpoints []*Endpoint, svc *ServicePort, nodeName, zo
 		}
 	}
 	if !anyReady {
-		return topologyModeNone
+		return topologyModeNone, ""
 	}
 
-	logger := klog.Background()
+	var why []string
 	if allNodeHints {
 		if nodeHinted {
-			return topologyModeSameNode
+			return topologyModeSameNode, ""
 		}
-		logger.V(4).Info("Ignoring same-node topology hints: none names this node", "service", svc.Name.String(), "node", nodeName)
+		why = append(why, "no node hint names this node")
 	}
 	if allZoneHints {
 		if zoneHinted {
-			return topologyModeSameZone
+			return topologyModeSameZone, strings.Join(why, "; ")
 		}
 		if zone == "" {
-			logger.V(4).Info("Ignoring same-zone topology hints: this node has no zone label", "service", svc.Name.String(), "label", v1.LabelTopologyZone)
+			why = append(why, "this node has no "+v1.LabelTopologyZone+" label for the zone hints")
 		} else {
-			logger.V(4).Info("Ignoring same-zone topology hints: none names this zone", "service", svc.Name.String(), "zone", zone)
+			why = append(why, "no zone hint names this node's zone "+zone)
 		}
 	}
-	return topologyModeNone
+	return topologyModeNone, strings.Join(why, "; ")
 }
 
 // availableForTopology reports whether an endpoint may serve this node under
@@ -223,14 +272,16 @@ func availableForTopology(ep *Endpoint, mode topologyMode, nodeName, zone string
 // the usable endpoints: the first key that selects at least one endpoint
 // wins. A key selects the endpoints whose node carries the key with the same
 // value as this node; a key this node lacks selects nothing; "*" selects
-// every endpoint. Endpoints on unknown nodes are selected only by "*".
-func filterByTopologyKeys(candidates []*Endpoint, svc *ServicePort, topo *TopologyInfo) []*Endpoint {
+// every endpoint. Endpoints on unknown nodes are selected only by "*". It
+// returns the key that selected and this node's value of it ("" for "*";
+// both "" when none selected).
+func filterByTopologyKeys(candidates []*Endpoint, svc *ServicePort, topo *TopologyInfo) (eps []*Endpoint, key, value string) {
 	if len(candidates) == 0 {
-		return nil
+		return nil, "", ""
 	}
 	for _, key := range svc.TopologyKeys {
 		if key == TopologyKeyAny {
-			return candidates
+			return candidates, key, ""
 		}
 		want, ok := topo.NodeLabels[key]
 		if !ok {
@@ -245,11 +296,11 @@ func filterByTopologyKeys(candidates []*Endpoint, svc *ServicePort, topo *Topolo
 			return ok && got == want
 		})
 		if len(eps) > 0 {
-			return eps
+			return eps, key, want
 		}
 	}
 	klog.Background().V(4).Info("No endpoint matches the service's topology keys on this node", "service", svc.Name.String(), "node", topo.NodeName, "topologyKeys", svc.TopologyKeys)
-	return nil
+	return nil, "", ""
 }
 
 // filterEndpoints returns the endpoints satisfying keep, in order; nil when

@@ -37,7 +37,7 @@ type nodeIPs map[v1.IPFamily]netip.Addr
 // addresses count as unknown. It logs what it found.
 func detectNodeIPs(ctx context.Context, client kubernetes.Interface, nodeName, bindAddress string, timeout time.Duration) nodeIPs {
 	logger := klog.FromContext(ctx)
-	out := nodeIPs{}
+	var out nodeIPs
 	var node *v1.Node
 	var lastErr error
 	poll := func(ctx context.Context) (bool, error) {
@@ -63,6 +63,19 @@ func detectNodeIPs(ctx context.Context, client kubernetes.Interface, nodeName, b
 			logger.Info("This node's Node object has no InternalIP or ExternalIP address", "node", klog.KObj(node))
 		}
 	}
+	out = primaryNodeIPs(node, bindAddress)
+	if len(out) == 0 {
+		logger.Info("Cannot determine this node's primary IP; if one is needed (--nodeport-addresses=primary), set --bind-address")
+	} else {
+		logger.Info("Detected this node's primary IPs", "nodeIPs", out)
+	}
+	return out
+}
+
+// primaryNodeIPs are this node's primary IP of each family, from its Node
+// object (nil: none) and bindAddress, as detectNodeIPs describes.
+func primaryNodeIPs(node *v1.Node, bindAddress string) nodeIPs {
+	out := nodeIPs{}
 	if node != nil {
 		for _, ip := range nodeAddressIPs(node) {
 			fam := familyOf(ip)
@@ -78,11 +91,6 @@ func detectNodeIPs(ctx context.Context, client kubernetes.Interface, nodeName, b
 		if ip.IsLoopback() {
 			delete(out, fam)
 		}
-	}
-	if len(out) == 0 {
-		logger.Info("Cannot determine this node's primary IP; if one is needed (--nodeport-addresses=primary), set --bind-address")
-	} else {
-		logger.Info("Detected this node's primary IPs", "nodeIPs", out)
 	}
 	return out
 }

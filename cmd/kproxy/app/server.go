@@ -42,9 +42,19 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	cmd.SetErr(stderr)
 	if err := cmd.Execute(); err != nil {
 		fmt.Fprintln(stderr, "kproxy:", err)
-		return 1
+		return exitCode(err)
 	}
 	return 0
+}
+
+// exitCode is 1 for an error, or the error's own exit status (kproxy
+// explain's mismatch).
+func exitCode(err error) int {
+	var coded interface{ ExitCode() int }
+	if errors.As(err, &coded) {
+		return coded.ExitCode()
+	}
+	return 1
 }
 
 // NewCommand builds the cobra command.
@@ -91,6 +101,7 @@ topology-aware routing.`,
 	}
 	o.AddFlags(cmd.Flags())
 	cmd.AddCommand(newTraceCommand(stdout, nil))
+	cmd.AddCommand(newExplainCommand(stdout, explainDeps{}))
 	klogFlags := goFlagSet()
 	cmd.Flags().AddGoFlagSet(klogFlags)
 	return cmd
