@@ -120,8 +120,6 @@ func check(ctx context.Context, fl *Flow, mode string, tr Tracer) *LiveCheck {
 	switch {
 	case errors.Is(err, trace.ErrNoState):
 		return &LiveCheck{Result: Skipped, Mode: mode, Detail: fmt.Sprintf("nothing to compare with: %v", err)}
-	case err != nil && (mode == trace.ModeIPVS || strings.Contains(err.Error(), "IPVS mode")):
-		return &LiveCheck{Result: Skipped, Mode: trace.ModeIPVS, Detail: "live comparison not available in ipvs mode (" + err.Error() + ")"}
 	case err != nil:
 		return &LiveCheck{Result: Failed, Mode: mode, Detail: "tracing the node's rules: " + err.Error()}
 	}

@@ -150,9 +150,8 @@ func TestCompareMismatch(t *testing.T) {
 	}
 }
 
-// TestCompareSkipped: without kproxy state for the mode, or in IPVS mode
-// while trace cannot read it, the decisions stand and the comparison is
-// skipped with a reason.
+// TestCompareSkipped: without kproxy state for the mode, the decisions
+// stand and the comparison is skipped with a reason.
 func TestCompareSkipped(t *testing.T) {
 	empty := trace.Source{IPTables: map[v1.IPFamily]ipt.Interface{v1.IPv4Protocol: iptablestest.NewFake(ipt.ProtocolIPv4)}, LocalAddresses: localAddrs,
 		NFT: func(context.Context, ...string) ([]byte, error) {
@@ -162,10 +161,10 @@ func TestCompareSkipped(t *testing.T) {
 	for _, tc := range []struct {
 		mode, detail string
 	}{
-		{mode: "", detail: "nothing to compare with: no kproxy state on this node: no IPv4 iptables or nftables rules of kproxy found"},
+		{mode: "", detail: "nothing to compare with: no kproxy state on this node: no IPv4 iptables, nftables or IPVS-mode rules of kproxy found"},
 		{mode: trace.ModeIPTables, detail: "nothing to compare with: no kproxy state on this node: no IPv4 iptables rules of kproxy found"},
 		{mode: trace.ModeNFTables, detail: "nothing to compare with: no kproxy state on this node: no IPv4 nftables rules of kproxy found"},
-		{mode: trace.ModeIPVS, detail: "live comparison not available in ipvs mode"},
+		{mode: trace.ModeIPVS, detail: "nothing to compare with: no kproxy state on this node: no IPv4 ipvs rules of kproxy found"},
 	} {
 		t.Run("mode="+tc.mode, func(t *testing.T) {
 			svc, slice := testService(nodePort), testSlice(local1)

@@ -126,7 +126,7 @@ func TestExplainCommand(t *testing.T) {
 			wantErr: "the live iptables rules of this node disagree with kproxy's decisions for default/web on 6 flow(s)", wantCode: exitMismatch,
 			wantOut: []string{"MISMATCH: rules reject it (rejected: default/web:http has no endpoints (no ready or serving endpoint anywhere)), model says deliver to 10.244.2.5:8080"}},
 		{name: "ipvs mode", args: []string{"default/web", "--proxy-mode=ipvs"}, rules: explainObjects("10.244.2.5"),
-			wantOut: []string{"live rules: not compared: live comparison not available in ipvs mode"}},
+			wantOut: []string{"live rules: not compared: nothing to compare with: no kproxy state on this node: no IPv4 ipvs rules of kproxy found"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var out bytes.Buffer
