@@ -2,7 +2,6 @@ package trace
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/netip"
 	"strings"
@@ -17,6 +16,7 @@ import (
 	iptbackend "github.com/kproxy/kproxy/proxier/iptables"
 	nftbackend "github.com/kproxy/kproxy/proxier/nftables"
 	pt "github.com/kproxy/kproxy/proxier/proxiertest"
+	"github.com/kproxy/kproxy/proxier/trace/tracetest"
 )
 
 // reportTracer answers proxiertest's flows with Run over a Source, so that
@@ -150,11 +150,5 @@ func TestBehaviourCasesNFTables(t *testing.T) {
 // listingOf answers `nft list table FAMILY kproxy` with the fake's table
 // as nft prints it, and fails for any other table as nft does.
 func listingOf(fake *knftables.Fake, fam knftables.Family) func(ctx context.Context, args ...string) ([]byte, error) {
-	return func(_ context.Context, args ...string) ([]byte, error) {
-		want := []string{"list", "table", string(fam), nftbackend.TableName}
-		if strings.Join(args, " ") != strings.Join(want, " ") {
-			return nil, errors.New("Error: No such file or directory")
-		}
-		return []byte(nftList(fake, fam, nftbackend.TableName)), nil
-	}
+	return tracetest.NFTListing(fake, fam, nftbackend.TableName)
 }
