@@ -245,8 +245,13 @@ func normalizeRule(r string) string {
 		return fmt.Sprintf("%#x", n)
 	})
 	r = strings.ReplaceAll(r, " != 0x0", " != 0")
+	// nft lists "numgen random mod 2 == 0" without its "==".
+	r = numgenZero.ReplaceAllString(r, "numgen random mod $1 == 0")
 	return r
 }
+
+// numgenZero is a random choice of one rule as nft lists it.
+var numgenZero = regexp.MustCompile(`numgen random mod ([0-9]+) 0\b`)
 
 // closedBrace reports whether s holds a "{" and its matching "}", outside
 // quotes.

@@ -3,8 +3,10 @@ package trace
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"reflect"
@@ -44,6 +46,15 @@ var realCases = []string{
 	"IPv6 clusterIP and node port",
 }
 
+// allCaseNames names every case of the shared behaviour table.
+func allCaseNames() []string {
+	var out []string
+	for _, c := range pt.Cases() {
+		out = append(out, c.Name)
+	}
+	return out
+}
+
 func runRealCases(t *testing.T, names []string, rk pt.RealKernel) {
 	netnstest.RequireRoot(t)
 	n := 0
@@ -68,14 +79,15 @@ func runRealCases(t *testing.T, names []string, rk pt.RealKernel) {
 // TestRealKernelIPTables: iptables mode, traced over iptables-save in the
 // node namespace.
 func TestRealKernelIPTables(t *testing.T) {
-	runRealCases(t, realCases, realIPTablesKernel(""))
+	runRealCases(t, allCaseNames(), realIPTablesKernel(""))
 }
 
 // realIPTablesKernel runs iptables mode; with binary, every flow is also
 // traced by that kproxy binary run in the node namespace.
 func realIPTablesKernel(binary string) pt.RealKernel {
 	return pt.RealKernel{
-		NSPrefix: "tri",
+		NSPrefix:       "tri",
+		ForgetAffinity: forgetRecentLists,
 		CheckKernel: func(ctx context.Context, node *netnstest.NS, family v1.IPFamily) error {
 			cmd := "iptables"
 			if family == v1.IPv6Protocol {
@@ -112,14 +124,15 @@ func TestRealKernelNFTables(t *testing.T) {
 	if _, err := exec.LookPath("nft"); err != nil {
 		t.Skip("nft not installed")
 	}
-	runRealCases(t, realCases, realNFTablesKernel(""))
+	runRealCases(t, allCaseNames(), realNFTablesKernel(""))
 }
 
 // realNFTablesKernel runs nftables mode; with binary, every flow is also
 // traced by that kproxy binary run in the node namespace.
 func realNFTablesKernel(binary string) pt.RealKernel {
 	return pt.RealKernel{
-		NSPrefix: "trn",
+		NSPrefix:       "trn",
+		ForgetAffinity: forgetAffinitySets,
 		CheckKernel: func(ctx context.Context, node *netnstest.NS, _ v1.IPFamily) error {
 			_, err := node.Exec(ctx, "nft", "list", "ruleset")
 			return err
@@ -251,4 +264,38 @@ func (n *nsNFT) ListElements(ctx context.Context, objectType, name string) (out 
 func (n *nsNFT) ListCounters(ctx context.Context) (out []*knftables.Counter, err error) {
 	err = n.ns.Do(func() error { out, err = n.Interface.ListCounters(ctx); return err })
 	return out, err
+}
+
+// forgetRecentLists empties the node's xt_recent lists (iptables mode's
+// ClientIP affinity), so that each flow is a first packet.
+func forgetRecentLists(node *netnstest.NS) error {
+	return node.Do(func() error {
+		// thread-self: this thread is the one inside the namespace.
+		dir := "/proc/thread-self/net/xt_recent"
+		entries, err := os.ReadDir(dir)
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("listing recent lists: %w", err)
+		}
+		for _, e := range entries {
+			if err := os.WriteFile(filepath.Join(dir, e.Name()), []byte("/\n"), 0); err != nil {
+				return fmt.Errorf("emptying recent list %s: %w", e.Name(), err)
+			}
+		}
+		return nil
+	})
+}
+
+// forgetAffinitySets empties nftables mode's affinity sets of both
+// families (those that exist), so that each flow is a first packet.
+func forgetAffinitySets(node *netnstest.NS) error {
+	for _, fam := range []string{"ip", "ip6"} {
+		for _, proto := range []string{"tcp", "udp", "sctp"} {
+			// A set (or table) that does not exist has nothing to forget.
+			_, _ = node.Exec(context.Background(), "nft", "flush", "set", fam, nftbackend.TableName, "affinity-"+proto)
+		}
+	}
+	return nil
 }

@@ -404,9 +404,7 @@ func (p *parser) stmt() (stmt, error) {
 		if err := p.expect("timeout"); err != nil {
 			return nil, err
 		}
-		if t := p.next(); !strings.HasSuffix(t, "s") {
-			return nil, fmt.Errorf("timeout %q", t)
-		} else if _, err := strconv.Atoi(strings.TrimSuffix(t, "s")); err != nil {
+		if t := p.next(); !validTimeout(t) {
 			return nil, fmt.Errorf("timeout %q", t)
 		}
 		if err := p.expect("}"); err != nil {
@@ -600,4 +598,34 @@ func (p *parser) field() (field, error) {
 	default:
 		return field{}, fmt.Errorf("unsupported expression %q", tok)
 	}
+}
+
+// validTimeout says whether t is a timeout as knftables writes it
+// ("10800s") or as nft lists it ("3h", "1d2h3m4s", "500ms").
+func validTimeout(t string) bool {
+	if t == "" {
+		return false
+	}
+	for t != "" {
+		i := 0
+		for i < len(t) && t[i] >= '0' && t[i] <= '9' {
+			i++
+		}
+		if i == 0 {
+			return false
+		}
+		t = t[i:]
+		unit := ""
+		for _, u := range []string{"ms", "d", "h", "m", "s"} {
+			if strings.HasPrefix(t, u) {
+				unit = u
+				break
+			}
+		}
+		if unit == "" {
+			return false
+		}
+		t = t[len(unit):]
+	}
+	return true
 }

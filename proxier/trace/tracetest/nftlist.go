@@ -98,7 +98,7 @@ func NFTList(fake *knftables.Fake, family knftables.Family, table string) string
 			fmt.Fprintf(&b, "\t\ttype %s hook %s priority %s; policy accept;\n", *c.Type, *c.Hook, namedPriority(*c.Hook, prio))
 		}
 		for _, r := range c.Rules {
-			fmt.Fprintf(&b, "\t\t%s\n", padHex(r.Rule))
+			fmt.Fprintf(&b, "\t\t%s\n", nftRuleText(padHex(r.Rule)))
 		}
 		b.WriteString("\t}\n\n")
 	}
@@ -154,4 +154,34 @@ func padHex(r string) string {
 		r = strings.Replace(r, " != 0 ", " != 0x00000000 ", 1)
 	}
 	return r
+}
+
+var (
+	secondsTimeout = regexp.MustCompile(`timeout ([0-9]+)s\b`)
+	numgenEqual    = regexp.MustCompile(`numgen random mod ([0-9]+) == ([0-9]+)\b`)
+)
+
+// nftRuleText writes a rule as kproxy wrote it (and knftables' fake keeps
+// it) the way nft lists it: a timeout in days, hours, minutes and seconds,
+// zero parts left out ("timeout 3h" for "timeout 10800s"), and an
+// equality without its "==" ("numgen random mod 2 0").
+func nftRuleText(rule string) string {
+	rule = numgenEqual.ReplaceAllString(rule, "numgen random mod $1 $2")
+	return secondsTimeout.ReplaceAllStringFunc(rule, func(m string) string {
+		n, err := strconv.Atoi(secondsTimeout.FindStringSubmatch(m)[1])
+		if err != nil || n == 0 {
+			return m
+		}
+		var b strings.Builder
+		for _, u := range []struct {
+			secs int
+			name string
+		}{{86400, "d"}, {3600, "h"}, {60, "m"}, {1, "s"}} {
+			if n >= u.secs {
+				fmt.Fprintf(&b, "%d%s", n/u.secs, u.name)
+				n %= u.secs
+			}
+		}
+		return "timeout " + b.String()
+	})
 }
