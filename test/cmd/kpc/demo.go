@@ -204,7 +204,9 @@ func tryItCommands(v tryItValues) []tryItLine {
 // for the agent.
 func explainFlags(agentArgs []string) []string {
 	var out []string
-	for _, name := range []string{"--kubeconfig", "--hostname-override"} {
+	// --cluster-cidr: without it kproxy cannot tell pods from other
+	// sources, and explain's decisions would not be the agent's.
+	for _, name := range []string{"--kubeconfig", "--hostname-override", "--cluster-cidr"} {
 		for i := len(agentArgs) - 1; i >= 0; i-- {
 			if strings.HasPrefix(agentArgs[i], name+"=") {
 				out = append(out, agentArgs[i])

@@ -44,7 +44,7 @@ func TestTryItCommands(t *testing.T) {
 	kubectl := kpc + " kubectl -n demo get pods,svc,endpointslices -o wide"
 	tracePod := kpc + " exec node-2 -- kproxy trace --src 10.244.2.5 --dst 10.96.0.77 --dport 80 --from pod"
 	traceNodePort := kpc + " exec node-2 -- kproxy trace --src 10.254.0.100 --dst 10.254.0.12 --dport 30123"
-	explain := kpc + " exec node-2 -- kproxy explain demo/echo --kubeconfig=/run/kpc/nodes/node-2/kproxy.kubeconfig --hostname-override=node-2"
+	explain := kpc + " exec node-2 -- kproxy explain demo/echo --kubeconfig=/run/kpc/nodes/node-2/kproxy.kubeconfig --hostname-override=node-2 --cluster-cidr=10.244.0.0/16"
 	tests := []struct {
 		name string
 		mode string
@@ -138,9 +138,9 @@ func TestTryItCommandsParse(t *testing.T) {
 	}
 }
 
-// TestExplainFlags checks that explain gets the agent's own --kubeconfig
-// and --hostname-override (the last of each, as for the agent) and nothing
-// else.
+// TestExplainFlags checks that explain gets the agent's own --kubeconfig,
+// --hostname-override and --cluster-cidr (the last of each, as for the
+// agent) and nothing else.
 func TestExplainFlags(t *testing.T) {
 	tests := []struct {
 		name string
@@ -150,7 +150,7 @@ func TestExplainFlags(t *testing.T) {
 		{
 			name: "the cluster's kproxy on node 3",
 			args: cluster.KproxyArgs("/tmp/state", 3, cluster.ModeNFTables),
-			want: []string{"--kubeconfig=/tmp/state/nodes/node-3/kproxy.kubeconfig", "--hostname-override=node-3"},
+			want: []string{"--kubeconfig=/tmp/state/nodes/node-3/kproxy.kubeconfig", "--hostname-override=node-3", "--cluster-cidr=10.244.0.0/16"},
 		},
 		{
 			name: "a later flag wins",
