@@ -3,9 +3,12 @@ package ipvs
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"net/netip"
+	"os"
 	"strings"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 
@@ -33,6 +36,7 @@ func TestRealKernelTraceBehaviourCases(t *testing.T) {
 		NSPrefix:         "ivt",
 		CheckKernel:      checkRealIPVS,
 		NewBackend:       newRealTraceBackend,
+		ForgetAffinity:   forgetPersistence,
 		KnownDivergences: realTraceDivergences(),
 	}
 	rep := &pt.RealReport{}
@@ -61,12 +65,84 @@ func TestRealKernelTraceBehaviourCases(t *testing.T) {
 }
 
 // realTraceSkipped are the shared cases this test does not run, by name,
-// with the reason.
-var realTraceSkipped = map[string]string{
-	"session affinity still reaches every endpoint on a first packet": "ClientIP affinity is an IPVS persistence " +
-		"template in the IPVS connection table, which no interface empties (deleting and re-adding the real servers " +
-		"revives the same ones from the trash, templates included), so only the first of the harness's attempts is " +
-		"a first packet and the others all reach its endpoint",
+// with the reason. None today.
+var realTraceSkipped = map[string]string{}
+
+// forgetPersistence empties the IPVS persistence templates (ClientIP
+// affinity) of the node, so that each flow is a first packet. No interface
+// flushes the IPVS connection table, but with expire_nodest_conn (which the
+// backend sets) the kernel expires every connection, templates included,
+// whose real server is deleted: each real server of a persistent virtual
+// server is deleted, the templates are awaited gone, and the real servers
+// are added back as they were.
+func forgetPersistence(node *netnstest.NS) error {
+	ctx := context.Background()
+	iv, err := ipvs.New(ipvs.Options{NetNS: node.Name})
+	if err != nil {
+		return err
+	}
+	defer func() { _ = iv.Close() }()
+	svcs, err := iv.Services(ctx)
+	if err != nil {
+		return err
+	}
+	type removed struct {
+		svc *ipvs.Service
+		dst *ipvs.Destination
+	}
+	var gone []removed
+	for _, s := range svcs {
+		if !s.Persistent {
+			continue
+		}
+		dsts, err := iv.Destinations(ctx, s)
+		if err != nil {
+			return err
+		}
+		for _, d := range dsts {
+			if err := iv.DeleteDestination(ctx, s, d); err != nil {
+				return err
+			}
+			gone = append(gone, removed{s, d})
+		}
+	}
+	if len(gone) == 0 {
+		return nil
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var conns []byte
+		if err := node.Do(func() error {
+			var err error
+			conns, err = os.ReadFile("/proc/thread-self/net/ip_vs_conn")
+			return err
+		}); err != nil {
+			return fmt.Errorf("reading the IPVS connections: %w", err)
+		}
+		templates := 0
+		for _, l := range strings.Split(string(conns), "\n") {
+			if strings.HasPrefix(l, "IP ") {
+				templates++
+			}
+		}
+		if templates == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%d persistence templates outlived their real servers:\n%s", templates, conns)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	// In a random order: the rr scheduler starts over at the first real
+	// server of its list, so re-adding them in one order would send every
+	// first packet to the same one.
+	rand.Shuffle(len(gone), func(i, j int) { gone[i], gone[j] = gone[j], gone[i] })
+	for _, g := range gone {
+		if err := iv.AddDestination(ctx, g.svc, &ipvs.Destination{Address: g.dst.Address, Port: g.dst.Port, Weight: g.dst.Weight}); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // realTraceDivergences are the flows IPVS mode answers differently from
@@ -181,6 +257,9 @@ func (rt *ipvsReportTracer) Trace(f pt.Flow) (pt.Result, error) {
 			rt.t.Logf("flow %q: kproxy trace:\n%s", f.Name, text.String())
 		}
 	})
+	if msg := ipvsReportProblem(rep); msg != "" {
+		rt.t.Errorf("flow %q: %s", f.Name, msg)
+	}
 	res := pt.Result{Endpoints: map[string]bool{}}
 	switch rep.Verdict {
 	case trace.Delivered:
@@ -203,4 +282,29 @@ func (rt *ipvsReportTracer) Trace(f pt.Flow) (pt.Result, error) {
 		return res, fmt.Errorf("verdict %q: %s", rep.Verdict, rep.Reason)
 	}
 	return res, nil
+}
+
+// ipvsReportProblem says what is wrong with the report's mode or its
+// explanation ("" if nothing): every outcome is explained in Service terms.
+func ipvsReportProblem(rep *trace.Report) string {
+	switch {
+	case rep.Mode != trace.ModeIPVS:
+		return fmt.Sprintf("traced in mode %q, want %q", rep.Mode, trace.ModeIPVS)
+	case rep.Verdict == trace.Rejected && strings.HasPrefix(rep.Reason, "rejected: no Service uses "):
+		// A port no Service uses on a dummy-device address: no Service owns it.
+	case rep.Verdict == trace.Rejected:
+		if !strings.HasPrefix(rep.Reason, "rejected: ") || !strings.Contains(rep.Reason, " has no endpoints") || rep.Service == "" {
+			return fmt.Sprintf("reject reason %q (service %q)", rep.Reason, rep.Service)
+		}
+	case rep.Verdict == trace.Dropped:
+		if !strings.HasPrefix(rep.Reason, "dropped: ") || rep.Service == "" ||
+			!(strings.Contains(rep.Reason, "TrafficPolicy is Local") || strings.Contains(rep.Reason, "loadBalancerSourceRanges")) {
+			return fmt.Sprintf("drop reason %q (service %q)", rep.Reason, rep.Service)
+		}
+	case rep.Verdict == trace.Delivered:
+		if rep.Service == "" || !strings.Contains(rep.Reason, rep.Service) {
+			return fmt.Sprintf("delivered without naming the service: %q", rep.Reason)
+		}
+	}
+	return ""
 }
