@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"time"
 
+	"k8s.io/klog/v2"
+
 	"github.com/kproxy/kproxy/pkg/deadline"
 )
 
@@ -36,6 +38,9 @@ import (
 //     knftables does. The session ends, since what nft keeps of the table
 //     between lines (its cache; it refreshes it when the table's
 //     generation changes) may be what was wrong.
+//   - A new session first answers a sentinel alone (a handshake); an nft
+//     whose interactive mode does not work fails it having run nothing,
+//     and the interface then runs every transaction through "nft -f -".
 //   - A session that fails (its deadline, an I/O error, nft gone) is killed
 //     with its process group; the transaction fails as a run of "nft -f"
 //     would, and the next one starts a new session.
@@ -226,15 +231,33 @@ func (n *execNFT) runSession(ctx context.Context, text string) (handled bool, er
 	began := time.Now()
 	runCtx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
+	at, _ := runCtx.Deadline()
 	if n.session == nil {
 		s, err := n.startSession()
 		if err != nil {
 			return true, err
 		}
+		// The handshake: a sentinel alone must come back before any
+		// transaction is sent. An nft whose interactive mode does not
+		// work (built without it, say) fails here, having run nothing,
+		// and every transaction goes through "nft -f -" from then on.
+		if _, err := s.run(at, ""); err != nil {
+			s.kill()
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				<-runCtx.Done()
+				return true, &deadline.Error{Op: "nft", Limit: timeout, Elapsed: time.Since(began), Killed: true,
+					Detail: "nft -i did not answer", Err: runCtx.Err()}
+			}
+			n.noSession = true
+			klog.FromContext(ctx).Info("nft has no usable interactive mode; every transaction runs through nft -f", "err", err)
+			if ctx.Err() != nil {
+				return true, ctx.Err()
+			}
+			return false, nil
+		}
 		n.session = s
 	}
 	s := n.session
-	at, _ := runCtx.Deadline()
 	// A caller's cancel (not only its deadline) ends the wait too.
 	stop := context.AfterFunc(runCtx, func() {
 		_ = s.stdin.SetWriteDeadline(time.Unix(1, 0))

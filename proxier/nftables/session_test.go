@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -212,5 +213,41 @@ func TestRealSession(t *testing.T) {
 		if !t.Run(st.name, st.run) {
 			break
 		}
+	}
+}
+
+// TestRealSessionUnsupported: an nft whose interactive mode does not work
+// fails the session's handshake having run nothing; the transaction, and
+// every later one, runs through nft -f.
+func TestRealSessionUnsupported(t *testing.T) {
+	ns := requireNFT(t)
+	n, err := newNSNFT(t, ns, v1.IPv4Protocol)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := n.real.(*execNFT)
+	script := filepath.Join(t.TempDir(), "nft")
+	body := "#!/bin/sh\nif [ \"$1\" = -i ]; then echo 'nft: interactive CLI not supported in this build' >&2; exit 1; fi\nexec " + e.path + " \"$@\"\n"
+	if err := os.WriteFile(script, []byte(body), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	e.path = script
+	ctx := context.Background()
+	for i, addr := range []string{"10.0.0.1", "10.0.0.2"} {
+		tx := n.NewTransaction()
+		if i == 0 {
+			tx.Add(&knftables.Table{})
+			tx.Add(&knftables.Set{Name: "s", Type: "ipv4_addr"})
+		}
+		tx.Add(&knftables.Element{Set: "s", Key: []string{addr}})
+		if err := n.Run(ctx, tx); err != nil {
+			t.Fatalf("transaction %d: %v", i, err)
+		}
+	}
+	if !e.noSession || e.sessionPID() != 0 {
+		t.Errorf("noSession %v, session pid %d: want sessions off", e.noSession, e.sessionPID())
+	}
+	if got := ns.Run(t, "nft", "list", "set", "ip", TableName, "s"); !strings.Contains(got, "10.0.0.1, 10.0.0.2") {
+		t.Errorf("set:\n%s", got)
 	}
 }
