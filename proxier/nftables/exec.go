@@ -130,9 +130,10 @@ func (n *execNFT) Check(ctx context.Context, tx *knftables.Transaction) error {
 
 func (n *execNFT) run(ctx context.Context, tx *knftables.Transaction, check bool) error {
 	var text string
+	rendered := false
 	if !check && !n.noSession {
 		// A small transaction goes to the session (session.go).
-		text = tx.String()
+		text, rendered = tx.String(), true
 		if !hasErrorLine(text) {
 			if handled, err := n.runSession(ctx, text); handled {
 				return err
@@ -144,7 +145,7 @@ func (n *execNFT) run(ctx context.Context, tx *knftables.Transaction, check bool
 	if err != nil {
 		return err
 	}
-	if text == "" {
+	if !rendered {
 		text = tx.String()
 	}
 	// A transaction with a pending error (an invalid operation) renders it
@@ -170,6 +171,15 @@ func (n *execNFT) run(ctx context.Context, tx *knftables.Transaction, check bool
 		return n.wrapError(err, errText, text)
 	}
 	return err
+}
+
+// runTimeout bounds one run of nft: the interface's timeout, or
+// defaultNFTTimeout.
+func (n *execNFT) runTimeout() time.Duration {
+	if n.timeout <= 0 {
+		return defaultNFTTimeout
+	}
+	return n.timeout
 }
 
 // hasErrorLine says whether text, a transaction as knftables renders it,
@@ -214,10 +224,7 @@ func (n *execNFT) start(ctx context.Context, check bool) (*nftRun, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	timeout := n.timeout
-	if timeout <= 0 {
-		timeout = defaultNFTTimeout
-	}
+	timeout := n.runTimeout()
 	r := &nftRun{began: time.Now(), timeout: timeout}
 	r.ctx, r.cancel = context.WithTimeout(ctx, timeout)
 	cmd := deadline.Command(r.ctx, n.path, args...)

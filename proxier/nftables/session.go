@@ -224,10 +224,7 @@ func (n *execNFT) runSession(ctx context.Context, text string) (handled bool, er
 	if err := ctx.Err(); err != nil {
 		return true, err
 	}
-	timeout := n.timeout
-	if timeout <= 0 {
-		timeout = defaultNFTTimeout
-	}
+	timeout := n.runTimeout()
 	began := time.Now()
 	runCtx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -245,8 +242,7 @@ func (n *execNFT) runSession(ctx context.Context, text string) (handled bool, er
 			s.kill()
 			if errors.Is(err, os.ErrDeadlineExceeded) {
 				<-runCtx.Done()
-				return true, &deadline.Error{Op: "nft", Limit: timeout, Elapsed: time.Since(began), Killed: true,
-					Detail: "nft -i did not answer", Err: runCtx.Err()}
+				return true, deadline.CommandError(runCtx, "nft", timeout, time.Since(began), "nft -i did not answer", err)
 			}
 			n.noSession = true
 			klog.FromContext(ctx).Info("nft has no usable interactive mode; every transaction runs through nft -f", "err", err)
@@ -279,8 +275,7 @@ func (n *execNFT) runSession(ctx context.Context, text string) (handled bool, er
 			return false, nil
 		}
 		if runCtx.Err() != nil {
-			return true, &deadline.Error{Op: "nft", Limit: timeout, Elapsed: time.Since(began), Killed: true,
-				Detail: strings.TrimSpace(out), Err: runCtx.Err()}
+			return true, deadline.CommandError(runCtx, "nft", timeout, time.Since(began), strings.TrimSpace(out), err)
 		}
 		return true, fmt.Errorf("nft session: %w", err)
 	}
