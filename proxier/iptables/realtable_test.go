@@ -2,10 +2,7 @@ package iptables
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
@@ -28,7 +25,7 @@ func TestBehaviourCasesRealKernel(t *testing.T) {
 		NSPrefix:         "bt",
 		CheckKernel:      checkRealNAT,
 		NewBackend:       newRealTableBackend,
-		ForgetAffinity:   forgetRecentLists,
+		ForgetAffinity:   pt.ForgetRecentLists,
 		KnownDivergences: realKnownDivergences,
 	})
 }
@@ -98,28 +95,6 @@ type mirrorTracer struct {
 
 func (m *mirrorTracer) Trace(f pt.Flow) (pt.Result, error) {
 	return traceFlow(m.fake, m.node.Addrs, f, nil)
-}
-
-// forgetRecentLists empties the node's -m recent lists (ClientIP
-// affinity), so that the next packet is a first one.
-func forgetRecentLists(node *netnstest.NS) error {
-	return node.Do(func() error {
-		// thread-self: this thread is the one inside the namespace.
-		dir := "/proc/thread-self/net/xt_recent"
-		entries, err := os.ReadDir(dir)
-		if errors.Is(err, os.ErrNotExist) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("listing recent lists: %w", err)
-		}
-		for _, e := range entries {
-			if err := os.WriteFile(filepath.Join(dir, e.Name()), []byte("/\n"), 0); err != nil {
-				return fmt.Errorf("emptying recent list %s: %w", e.Name(), err)
-			}
-		}
-		return nil
-	})
 }
 
 // mirroredIPTables applies every change to the real iptables and then to a

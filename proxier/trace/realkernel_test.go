@@ -3,10 +3,8 @@ package trace
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"reflect"
@@ -87,7 +85,7 @@ func TestRealKernelIPTables(t *testing.T) {
 func realIPTablesKernel(binary string) pt.RealKernel {
 	return pt.RealKernel{
 		NSPrefix:       "tri",
-		ForgetAffinity: forgetRecentLists,
+		ForgetAffinity: pt.ForgetRecentLists,
 		CheckKernel: func(ctx context.Context, node *netnstest.NS, family v1.IPFamily) error {
 			cmd := "iptables"
 			if family == v1.IPv6Protocol {
@@ -264,28 +262,6 @@ func (n *nsNFT) ListElements(ctx context.Context, objectType, name string) (out 
 func (n *nsNFT) ListCounters(ctx context.Context) (out []*knftables.Counter, err error) {
 	err = n.ns.Do(func() error { out, err = n.Interface.ListCounters(ctx); return err })
 	return out, err
-}
-
-// forgetRecentLists empties the node's xt_recent lists (iptables mode's
-// ClientIP affinity), so that each flow is a first packet.
-func forgetRecentLists(node *netnstest.NS) error {
-	return node.Do(func() error {
-		// thread-self: this thread is the one inside the namespace.
-		dir := "/proc/thread-self/net/xt_recent"
-		entries, err := os.ReadDir(dir)
-		if errors.Is(err, os.ErrNotExist) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("listing recent lists: %w", err)
-		}
-		for _, e := range entries {
-			if err := os.WriteFile(filepath.Join(dir, e.Name()), []byte("/\n"), 0); err != nil {
-				return fmt.Errorf("emptying recent list %s: %w", e.Name(), err)
-			}
-		}
-		return nil
-	})
 }
 
 // forgetAffinitySets empties nftables mode's affinity sets of both
