@@ -113,6 +113,10 @@ type layout struct {
 	staticCounted           bool
 	// chains are the shape and pick chains rendered so far.
 	chains map[string]*chainDef
+	// setDefs and isMap are sets' and isMapOf's answers, made once: a
+	// layout's sets do not change (a partial sync asks for them).
+	setDefs []*setDef
+	isMap   map[string]bool
 }
 
 // hash identifies everything the chains' rules depend on besides their
@@ -272,6 +276,14 @@ func affinitySet(proto string) string          { return setAffinityPrefix + prot
 
 // sets lists every map and set of the table.
 func (l *layout) sets() []*setDef {
+	if l.setDefs == nil {
+		l.setDefs = l.makeSets()
+	}
+	return l.setDefs
+}
+
+// makeSets makes the maps and sets of sets.
+func (l *layout) makeSets() []*setDef {
 	ip, at, zero := l.fam.ip, l.fam.addrType, l.fam.zero
 	destType := at + " . inet_proto . inet_service"
 	verdictCanary := func(name string, key ...string) elem {

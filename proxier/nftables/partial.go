@@ -37,11 +37,13 @@ func (b *Backend) sync(ctx context.Context, state *proxy.NodeState, mode string,
 
 // isMapOf tells maps from sets, by name.
 func (l *layout) isMapOf() map[string]bool {
-	isMap := map[string]bool{}
-	for _, s := range l.sets() {
-		isMap[s.name] = s.isMap
+	if l.isMap == nil {
+		l.isMap = map[string]bool{}
+		for _, s := range l.sets() {
+			l.isMap[s.name] = s.isMap
+		}
 	}
-	return isMap
+	return l.isMap
 }
 
 // runTx runs a transaction, counting it in st.
@@ -212,14 +214,16 @@ func (b *Backend) applyPartial(l *layout, apply map[proxy.ServicePortName]*rende
 	}
 	slices.SortFunc(dests, destKey.compare)
 	for _, k := range dests {
-		var old, now []elem
-		if o := cs.oldOwners[k]; o != nil {
-			old = append(append(old, o.small...), o.bigElems()...)
+		o, n := cs.oldOwners[k], s.owners[k]
+		var oldSmall, nowSmall []elem
+		if o != nil {
+			oldSmall = o.small
 		}
-		if n := s.owners[k]; n != nil {
-			now = append(append(now, n.small...), n.bigElems()...)
+		if n != nil {
+			nowSmall = n.small
 		}
-		diffElems(old, now, &p.deletes, &p.adds)
+		diffElems(oldSmall, nowSmall, &p.deletes, &p.adds)
+		diffSlots(o, n, &p.deletes, &p.adds)
 	}
 	for _, a := range sortedAddrs(cs.oldHairpin) {
 		was, is := cs.oldHairpin[a] > 0, s.hairpin[a] > 0

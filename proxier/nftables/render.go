@@ -135,6 +135,46 @@ func (dr *destRender) bigElems() []elem {
 	return out
 }
 
+// slotElem is the element of the destination's endpoint slot (of
+// bigElems), for a slot of its cluster (i 0) or local (i 1) slots.
+func (dr *destRender) slotElem(i, slot int) elem {
+	base := 0
+	if i == 1 {
+		base = localSlotBase
+	}
+	ep := dr.eps[i][slot]
+	return elem{set: dr.key.endpointsMap(), key: dr.key.endpointKey(base + slot),
+		value: []string{hostString(ep.Addr()), strconv.Itoa(int(ep.Port()))}}
+}
+
+// diffSlots adds to del and add what diffElems would of the endpoint
+// slots (bigElems) of one destination's old and new render (either may be
+// nil), making elements only for the slots that differ: a one-endpoint
+// change of a destination with many endpoints touches one slot.
+func diffSlots(old, now *destRender, del, add *[]elem) {
+	var oe, ne [2][]netip.AddrPort
+	if old != nil {
+		oe = old.eps
+	}
+	if now != nil {
+		ne = now.eps
+	}
+	for i := range oe {
+		for slot, ep := range oe[i] {
+			if slot >= len(ne[i]) || ne[i][slot] != ep {
+				*del = append(*del, old.slotElem(i, slot))
+			}
+		}
+	}
+	for i := range ne {
+		for slot, ep := range ne[i] {
+			if slot >= len(oe[i]) || oe[i][slot] != ep {
+				*add = append(*add, now.slotElem(i, slot))
+			}
+		}
+	}
+}
+
 // endpointText appends the text of the element of slot (the id() and
 // val() of bigElems' element, without allocating one): the endpoints hash
 // and the digest are written from it.

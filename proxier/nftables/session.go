@@ -5,12 +5,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"k8s.io/klog/v2"
 
@@ -72,9 +74,90 @@ type nftSession struct {
 	cmd    *exec.Cmd
 	stdin  *os.File
 	stderr *os.File
-	r      *bufio.Reader
-	runs   int
-	seq    uint64
+	// in writes to stdin; r reads stderr (both rawPipe).
+	in   rawPipe
+	r    *bufio.Reader
+	runs int
+	seq  uint64
+}
+
+// rawPipe writes and reads a non-blocking pipe with raw system calls, and
+// waits for it in the netpoller (under the file's deadlines) only when it
+// is full or empty. A transaction's line and its answer are a few hundred
+// bytes: os.File's read and write would tell the Go runtime they may
+// block, which wakes its sysmon thread from its deep sleep once or twice a
+// transaction; here neither can block (the pipes are non-blocking), and
+// the runtime is not told.
+type rawPipe struct {
+	rc syscall.RawConn
+}
+
+func newRawPipe(f *os.File) (rawPipe, error) {
+	rc, err := f.SyscallConn()
+	return rawPipe{rc: rc}, err
+}
+
+// Write writes all of b, waiting while the pipe is full; n is what was
+// written when an error (the deadline, a closed reader) stopped it.
+func (p rawPipe) Write(b []byte) (n int, err error) {
+	var errno syscall.Errno
+	werr := p.rc.Write(func(fd uintptr) bool {
+		for n < len(b) {
+			w, _, e := syscall.RawSyscall(syscall.SYS_WRITE, fd, uintptr(unsafe.Pointer(&b[n])), uintptr(len(b)-n))
+			switch e {
+			case 0:
+				n += int(w)
+			case syscall.EINTR:
+			case syscall.EAGAIN:
+				return false
+			default:
+				errno = e
+				return true
+			}
+		}
+		return true
+	})
+	if werr != nil {
+		return n, werr
+	}
+	if errno != 0 {
+		return n, os.NewSyscallError("write", errno)
+	}
+	return n, nil
+}
+
+// Read reads what the pipe holds, waiting while it is empty; io.EOF when
+// the writer has closed it.
+func (p rawPipe) Read(b []byte) (n int, err error) {
+	if len(b) == 0 {
+		return 0, nil
+	}
+	var errno syscall.Errno
+	rerr := p.rc.Read(func(fd uintptr) bool {
+		for {
+			r, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)))
+			switch e {
+			case 0:
+				n = int(r)
+				return true
+			case syscall.EINTR:
+			case syscall.EAGAIN:
+				return false
+			default:
+				errno = e
+				return true
+			}
+		}
+	})
+	switch {
+	case rerr != nil:
+		return 0, rerr
+	case errno != 0:
+		return 0, os.NewSyscallError("read", errno)
+	case n == 0:
+		return 0, io.EOF
+	}
+	return n, nil
 }
 
 // sessionSentinel is the n-th sentinel line.
@@ -131,7 +214,14 @@ func (n *execNFT) startSession() (*nftSession, error) {
 		_ = errR.Close()
 		return nil, fmt.Errorf("starting nft -i: %w", err)
 	}
-	return &nftSession{cmd: cmd, stdin: inW, stderr: errR, r: bufio.NewReaderSize(errR, 16<<10)}, nil
+	in, err1 := newRawPipe(inW)
+	out, err2 := newRawPipe(errR)
+	if err := errors.Join(err1, err2); err != nil {
+		s := &nftSession{cmd: cmd, stdin: inW, stderr: errR}
+		s.kill()
+		return nil, fmt.Errorf("starting nft -i: %w", err)
+	}
+	return &nftSession{cmd: cmd, stdin: inW, stderr: errR, in: in, r: bufio.NewReaderSize(out, 16<<10)}, nil
 }
 
 // kill ends s at once: its process group is killed and reaped.
@@ -168,7 +258,7 @@ func (s *nftSession) run(deadlineAt time.Time, line string) (string, error) {
 	}
 	buf := make([]byte, 0, len(line)+len(sentinel)+2)
 	buf = append(append(append(append(buf, line...), '\n'), sentinel...), '\n')
-	if w, err := s.stdin.Write(buf); err != nil {
+	if w, err := s.in.Write(buf); err != nil {
 		if w <= len(line) {
 			// nft never read the line's end: it ran nothing.
 			err = errors.Join(errNotSent, err)

@@ -230,6 +230,15 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 	if watcher != nil {
 		source = SourceKernel
 	}
+	// With a profile directory, a CPU profile covers the changes (and the
+	// idle time between them).
+	cpuProfile := make(chan error, 1)
+	if opts.Kproxy.ProfileDir != "" {
+		d := time.Duration(opts.Changes) * (opts.Settle + 500*time.Millisecond)
+		go func() { cpuProfile <- k.SaveCPUProfile(ctx, profile+"-changes.cpu", d) }()
+	} else {
+		cpuProfile <- nil
+	}
 	n := opts.Objects.Services()
 	for c := range opts.Changes {
 		// Service i, endpoint j: spread over the Services and endpoints.
@@ -277,6 +286,9 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 	res.ScrapesPerChange = round3(float64(scrapes) / k64)
 	res.TotalCPUS, res.TotalChildCPUS = u.CPU.Seconds(), u.ChildCPU.Seconds()
 	res.PeakRSSMiB = mib(u.HWM)
+	if err := <-cpuProfile; err != nil {
+		logf("%v", err)
+	}
 	if err := k.SaveHeapProfile(ctx, profile+"-end.heap"); err != nil {
 		logf("%v", err)
 	}

@@ -182,24 +182,38 @@ func (k *Kproxy) Scrape(ctx context.Context) (Samples, error) {
 // SaveHeapProfile writes kproxy's heap profile (/debug/pprof/heap) to
 // ProfileDir/name; nothing without a ProfileDir.
 func (k *Kproxy) SaveHeapProfile(ctx context.Context, name string) error {
+	return k.saveProfile(ctx, "heap", name)
+}
+
+// SaveCPUProfile writes a CPU profile of kproxy over the next d
+// (/debug/pprof/profile) to ProfileDir/name; nothing without a ProfileDir.
+func (k *Kproxy) SaveCPUProfile(ctx context.Context, name string, d time.Duration) error {
+	return k.saveProfile(ctx, fmt.Sprintf("profile?seconds=%d", int(d.Seconds())), name)
+}
+
+// saveProfile writes /debug/pprof/<what> to ProfileDir/name.
+func (k *Kproxy) saveProfile(ctx context.Context, what, name string) error {
 	if k.opts.ProfileDir == "" {
 		return nil
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+k.opts.MetricsAddress+"/debug/pprof/heap", nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+k.opts.MetricsAddress+"/debug/pprof/"+what, nil)
 	if err != nil {
 		return err
 	}
-	resp, err := k.client.Do(req)
+	// A CPU profile answers after its duration, past the client's timeout.
+	client := *k.client
+	client.Timeout = 0
+	resp, err := client.Do(req)
 	if err != nil {
-		return fmt.Errorf("heap profile: %w", err)
+		return fmt.Errorf("%s profile: %w", what, err)
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(resp.Body)
 	if err != nil {
-		return fmt.Errorf("heap profile: %w", err)
+		return fmt.Errorf("%s profile: %w", what, err)
 	}
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("heap profile: HTTP %d: %s", resp.StatusCode, firstLines(string(body), 2))
+		return fmt.Errorf("%s profile: HTTP %d: %s", what, resp.StatusCode, firstLines(string(body), 2))
 	}
 	if err := os.MkdirAll(k.opts.ProfileDir, 0o755); err != nil {
 		return err

@@ -17,11 +17,15 @@ const clockTick = 10 * time.Millisecond
 
 // Usage is a process's resource use read from /proc.
 type Usage struct {
-	// CPU is the process's own user and system time (utime+stime, all
-	// threads).
+	// CPU is the process's own CPU time: the run time of its threads
+	// (/proc/<pid>/task/*/schedstat, nanoseconds), or utime+stime (10 ms
+	// ticks) where schedstat is missing. Threads that ended are not
+	// counted; the Go runtime keeps its threads.
 	CPU time.Duration
-	// ChildCPU is the user and system time of its children it waited for
-	// (cutime+cstime: iptables-restore, nft).
+	// ChildCPU is the user and system time of its children: those it
+	// waited for (cutime+cstime: iptables-restore, nft -f) and those
+	// still running (utime+stime of each: the long-lived nft -i session
+	// of nftables mode, which getrusage would count only once it ends).
 	ChildCPU time.Duration
 	// HWM is the peak resident set size (VmHWM); RSS the current one.
 	HWM, RSS int64
@@ -37,6 +41,10 @@ func readUsage(pid int) (Usage, error) {
 	if err != nil {
 		return Usage{}, fmt.Errorf("/proc/%d/stat: %w", pid, err)
 	}
+	if run, ok := threadsRunTime(pid); ok {
+		u.CPU = run
+	}
+	u.ChildCPU += liveChildrenCPU(pid)
 	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		return Usage{}, err
@@ -45,6 +53,68 @@ func readUsage(pid int) (Usage, error) {
 		return Usage{}, fmt.Errorf("/proc/%d/status: %w", pid, err)
 	}
 	return u, nil
+}
+
+// liveChildrenCPU is the CPU time (utime+stime) of pid's running children,
+// from /proc/<pid>/task/*/children. A child that ends between two reads
+// moves from here to its parent's cutime+cstime once it is waited for.
+func liveChildrenCPU(pid int) time.Duration {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return 0
+	}
+	var total time.Duration
+	for _, t := range tasks {
+		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/children", pid, t.Name()))
+		if err != nil {
+			continue
+		}
+		for _, c := range strings.Fields(string(data)) {
+			cpid, err := strconv.Atoi(c)
+			if err != nil {
+				continue
+			}
+			if run, ok := threadsRunTime(cpid); ok {
+				total += run
+				continue
+			}
+			stat, err := os.ReadFile("/proc/" + c + "/stat")
+			if err != nil {
+				continue
+			}
+			if cu, err := parseStatCPU(stat); err == nil {
+				total += cu.CPU
+			}
+		}
+	}
+	return total
+}
+
+// threadsRunTime sums the run time of pid's threads (the first field of
+// /proc/<pid>/task/<tid>/schedstat, in nanoseconds); ok is false when it
+// cannot be read.
+func threadsRunTime(pid int) (time.Duration, bool) {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return 0, false
+	}
+	var total time.Duration
+	for _, t := range tasks {
+		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/schedstat", pid, t.Name()))
+		if err != nil {
+			continue // the thread ended
+		}
+		f := strings.Fields(string(data))
+		if len(f) == 0 {
+			return 0, false
+		}
+		ns, err := strconv.ParseInt(f[0], 10, 64)
+		if err != nil {
+			return 0, false
+		}
+		total += time.Duration(ns)
+	}
+	return total, true
 }
 
 // parseStatCPU reads utime, stime, cutime and cstime (fields 14 to 17) of

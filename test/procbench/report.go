@@ -34,7 +34,7 @@ func NewReport(runs []Result, notes map[string]string) Report {
 		"change":     "one endpoint's address (a new Pod) in one Service's EndpointSlice, written with an Update; changes spaced so that kproxy is idle past its minimum sync period",
 		"change_end": "the kernel commit: the first notification of the last nf_tables transaction changing IPv4 rules before kproxy's sync ended, received on a netlink socket in kproxy's namespace",
 		"synced":     "kubeproxy_sync_proxy_rules_last_timestamp_seconds, the time kproxy records after the sync",
-		"cpu":        "utime+stime of kproxy (/proc/<pid>/stat, 10 ms ticks, summed over the changes), less the /metrics reads; child CPU is cutime+cstime (iptables-restore, nft)",
+		"cpu":        "run time of kproxy's threads (/proc/<pid>/task/*/schedstat, ns, summed over the changes), less the /metrics reads; child CPU is cutime+cstime (iptables-restore, nft -f) plus the run time of running children (the nft -i session)",
 		"rss":        "VmHWM of kproxy (/proc/<pid>/status)",
 	}
 	for k, v := range notes {

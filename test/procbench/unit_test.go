@@ -4,6 +4,8 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"net/netip"
+	"os"
+	"os/exec"
 	"slices"
 	"testing"
 	"time"
@@ -294,5 +296,42 @@ func TestTableLine(t *testing.T) {
 		CPUMsPerChange: 120.5, ChildCPUMsPerChange: 210.25, PeakRSSMiB: 301.4}
 	if got, want := len(TableLine(r)), len(TableHeader()); got != want {
 		t.Errorf("line of %d characters under a header of %d:\n%s\n%s", got, want, TableHeader(), TableLine(r))
+	}
+}
+
+// TestReadUsageCountsLiveChildren: a running child's CPU is in ChildCPU
+// before it is waited for (as the nft -i session's is), and the process's
+// own CPU is read to the nanosecond from its threads' schedstat.
+func TestReadUsageCountsLiveChildren(t *testing.T) {
+	self, ok := threadsRunTime(os.Getpid())
+	if !ok || self <= 0 {
+		t.Fatalf("threadsRunTime(self) = %v, %v", self, ok)
+	}
+	before, err := readUsage(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A child that spins (in the shell itself, no subprocess) and then
+	// waits to be killed.
+	cmd := exec.Command("sh", "-c", `i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done; exec sleep 60`)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	var after Usage
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if after, err = readUsage(os.Getpid()); err != nil {
+			t.Fatal(err)
+		}
+		if after.ChildCPU-before.ChildCPU >= 50*time.Millisecond {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a running child's CPU is not counted: ChildCPU %v -> %v", before.ChildCPU, after.ChildCPU)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if after.CPU < before.CPU {
+		t.Errorf("CPU went back: %v -> %v", before.CPU, after.CPU)
 	}
 }
