@@ -83,6 +83,9 @@ bench: deps
 	@# added through the real nft in a throwaway network namespace, each
 	@# against the same transaction replayed with nft -f, per shape.
 	KPROXY_BENCH_SHAPES="$(BENCH_NFT_SHAPES)" $(GO) test -run '^$$' -bench 'NFTablesSync$$' -benchtime 1x -timeout 60m ./proxier/nftables/
+	@# ... and 1,000 one-endpoint changes in a row per shape through the
+	@# nft session: kproxy's and nft's CPU per change.
+	KPROXY_BENCH_SHAPES="$(BENCH_NFT_SHAPES)" $(GO) test -run '^$$' -bench 'NFTablesChangeSteady$$' -benchtime 1000x -timeout 30m ./proxier/nftables/
 	for s in $(BENCH_NFT_MEMORY); do \
 	  KPROXY_BENCH_SHAPES=$$s $(GO) test -run '^$$' -bench 'NFTablesMemory' -benchtime 1x -timeout 30m ./proxier/nftables/ || exit 1; \
 	done
