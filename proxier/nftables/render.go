@@ -123,13 +123,8 @@ func (dr *destRender) counts() [2]int { return [2]int{len(dr.eps[0]), len(dr.eps
 func (dr *destRender) bigElems() []elem {
 	out := make([]elem, 0, len(dr.eps[0])+len(dr.eps[1]))
 	for i, eps := range dr.eps {
-		base := 0
-		if i == 1 {
-			base = localSlotBase
-		}
-		for slot, ep := range eps {
-			out = append(out, elem{set: dr.key.endpointsMap(), key: dr.key.endpointKey(base + slot),
-				value: []string{hostString(ep.Addr()), strconv.Itoa(int(ep.Port()))}})
+		for slot := range eps {
+			out = append(out, dr.slotElem(i, slot))
 		}
 	}
 	return out

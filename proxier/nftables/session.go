@@ -97,17 +97,27 @@ func newRawPipe(f *os.File) (rawPipe, error) {
 	return rawPipe{rc: rc}, err
 }
 
+// rawIO is one read or write (trap) of b on fd, as a raw system call,
+// retried when a signal interrupts it.
+func rawIO(trap, fd uintptr, b []byte) (int, syscall.Errno) {
+	for {
+		n, _, e := syscall.RawSyscall(trap, fd, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)))
+		if e != syscall.EINTR {
+			return int(n), e
+		}
+	}
+}
+
 // Write writes all of b, waiting while the pipe is full; n is what was
 // written when an error (the deadline, a closed reader) stopped it.
 func (p rawPipe) Write(b []byte) (n int, err error) {
 	var errno syscall.Errno
 	werr := p.rc.Write(func(fd uintptr) bool {
 		for n < len(b) {
-			w, _, e := syscall.RawSyscall(syscall.SYS_WRITE, fd, uintptr(unsafe.Pointer(&b[n])), uintptr(len(b)-n))
+			w, e := rawIO(syscall.SYS_WRITE, fd, b[n:])
 			switch e {
 			case 0:
-				n += int(w)
-			case syscall.EINTR:
+				n += w
 			case syscall.EAGAIN:
 				return false
 			default:
@@ -134,20 +144,16 @@ func (p rawPipe) Read(b []byte) (n int, err error) {
 	}
 	var errno syscall.Errno
 	rerr := p.rc.Read(func(fd uintptr) bool {
-		for {
-			r, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)))
-			switch e {
-			case 0:
-				n = int(r)
-				return true
-			case syscall.EINTR:
-			case syscall.EAGAIN:
-				return false
-			default:
-				errno = e
-				return true
-			}
+		r, e := rawIO(syscall.SYS_READ, fd, b)
+		switch e {
+		case 0:
+			n = r
+		case syscall.EAGAIN:
+			return false
+		default:
+			errno = e
 		}
+		return true
 	})
 	switch {
 	case rerr != nil:

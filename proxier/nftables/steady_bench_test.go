@@ -45,23 +45,14 @@ func BenchmarkNFTablesChangeSteady(b *testing.B) {
 			}
 			runtime.GC()
 			// The first change starts the session.
-			e.OnEndpointSliceUpdate(pt.ReplaceEndpoint(sls, 0))
-			if err := e.SyncRules(context.Background()); err != nil {
-				b.Fatal(err)
-			}
+			changeEndpoint(b, be, e, sls, 0)
 			switches := contextSwitches()
 			nftBefore := n.sessionCPU() + rusage(b, syscall.RUSAGE_CHILDREN)
 			self := rusage(b, syscall.RUSAGE_SELF)
 			i := 1
 			for b.Loop() {
-				e.OnEndpointSliceUpdate(pt.ReplaceEndpoint(sls, i))
+				changeEndpoint(b, be, e, sls, i)
 				i++
-				if err := e.SyncRules(context.Background()); err != nil {
-					b.Fatal(err)
-				}
-				if m := be.LastSync().Mode; m != modePartial {
-					b.Fatalf("sync was %s", m)
-				}
 			}
 			self = rusage(b, syscall.RUSAGE_SELF) - self
 			nftCPU := n.sessionCPU() + rusage(b, syscall.RUSAGE_CHILDREN) - nftBefore
