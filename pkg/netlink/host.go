@@ -3,6 +3,7 @@ package netlink
 import (
 	"fmt"
 	"net/netip"
+	"os"
 	"syscall"
 	"unsafe"
 )
@@ -16,7 +17,7 @@ import (
 // addresses net.InterfaceAddrs reports, without the link dump that call
 // makes too: a partial sync spent a third of its time there.
 func HostAddresses() ([]netip.Addr, error) {
-	rib, err := syscall.NetlinkRIB(syscall.RTM_GETADDR, syscall.AF_UNSPEC)
+	rib, err := addrDump()
 	if err != nil {
 		return nil, fmt.Errorf("listing interface addresses: %w", err)
 	}
@@ -25,6 +26,70 @@ func HostAddresses() ([]netip.Addr, error) {
 		return nil, fmt.Errorf("listing interface addresses: %w", err)
 	}
 	return parseAddrMessages(msgs)
+}
+
+// addrDump is syscall.NetlinkRIB(RTM_GETADDR, AF_UNSPEC) made with raw
+// system calls: none of them blocks (the kernel answers a dump request
+// while it is sent, and reads wait only when the dump is not ready, which
+// falls back to a blocking read), so the Go runtime is not told of them,
+// and a sync does not wake its sysmon thread (see pkg/rawio).
+func addrDump() ([]byte, error) {
+	s, err := syscall.Socket(syscall.AF_NETLINK, syscall.SOCK_RAW|syscall.SOCK_CLOEXEC, syscall.NETLINK_ROUTE)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _, _, _ = syscall.RawSyscall(syscall.SYS_CLOSE, uintptr(s), 0, 0) }()
+	sa := syscall.RawSockaddrNetlink{Family: syscall.AF_NETLINK}
+	if _, _, e := syscall.RawSyscall(syscall.SYS_BIND, uintptr(s), uintptr(unsafe.Pointer(&sa)), syscall.SizeofSockaddrNetlink); e != 0 {
+		return nil, os.NewSyscallError("bind", e)
+	}
+	const seq = 1
+	req := make([]byte, syscall.NLMSG_HDRLEN+syscall.SizeofRtGenmsg)
+	*(*syscall.NlMsghdr)(unsafe.Pointer(&req[0])) = syscall.NlMsghdr{
+		Len:   uint32(len(req)),
+		Type:  syscall.RTM_GETADDR,
+		Flags: syscall.NLM_F_DUMP | syscall.NLM_F_REQUEST,
+		Seq:   seq,
+	}
+	req[syscall.NLMSG_HDRLEN] = syscall.AF_UNSPEC
+	if _, _, e := syscall.RawSyscall6(syscall.SYS_SENDTO, uintptr(s), uintptr(unsafe.Pointer(&req[0])), uintptr(len(req)), 0,
+		uintptr(unsafe.Pointer(&sa)), syscall.SizeofSockaddrNetlink); e != 0 {
+		return nil, os.NewSyscallError("sendto", e)
+	}
+	var tab []byte
+	buf := make([]byte, os.Getpagesize()*4)
+	for {
+		n, _, e := syscall.RawSyscall6(syscall.SYS_RECVFROM, uintptr(s), uintptr(unsafe.Pointer(&buf[0])), uintptr(len(buf)), syscall.MSG_DONTWAIT, 0, 0)
+		switch e {
+		case 0:
+		case syscall.EINTR:
+			continue
+		case syscall.EAGAIN:
+			n0, _, err := syscall.Recvfrom(s, buf, 0)
+			if err != nil {
+				return nil, os.NewSyscallError("recvfrom", err)
+			}
+			n = uintptr(n0)
+		default:
+			return nil, os.NewSyscallError("recvfrom", e)
+		}
+		if n < syscall.NLMSG_HDRLEN {
+			return nil, syscall.EINVAL
+		}
+		tab = append(tab, buf[:n]...)
+		msgs, err := syscall.ParseNetlinkMessage(buf[:n])
+		if err != nil {
+			return nil, err
+		}
+		for _, m := range msgs {
+			if m.Header.Seq != seq {
+				return nil, syscall.EINVAL
+			}
+			if m.Header.Type == syscall.NLMSG_DONE || m.Header.Type == syscall.NLMSG_ERROR {
+				return tab, nil
+			}
+		}
+	}
 }
 
 // parseAddrMessages reads the addresses of an RTM_GETADDR dump: an IPv4

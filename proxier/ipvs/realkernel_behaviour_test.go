@@ -71,10 +71,12 @@ var realTraceSkipped = map[string]string{}
 // forgetPersistence empties the IPVS persistence templates (ClientIP
 // affinity) of the node, so that each flow is a first packet. No interface
 // flushes the IPVS connection table, but with expire_nodest_conn (which the
-// backend sets) the kernel expires every connection, templates included,
-// whose real server is deleted: each real server of a persistent virtual
-// server is deleted, the templates are awaited gone, and the real servers
-// are added back as they were.
+// backend sets) deleting a real server queues a kernel pass that expires
+// the connections, and then their templates, whose real server is gone.
+// A template whose last connection the pass could not expire at once (in
+// use, so expired later by its timer) outlives the pass: the real servers
+// are then added and deleted again, which queues another pass. Once no
+// template is left, the real servers are added back as they were.
 func forgetPersistence(node *netnstest.NS) error {
 	ctx := context.Background()
 	iv, err := ipvs.New(ipvs.Options{NetNS: node.Name})
@@ -100,16 +102,53 @@ func forgetPersistence(node *netnstest.NS) error {
 			return err
 		}
 		for _, d := range dsts {
-			if err := iv.DeleteDestination(ctx, s, d); err != nil {
-				return err
-			}
 			gone = append(gone, removed{s, d})
 		}
 	}
 	if len(gone) == 0 {
 		return nil
 	}
-	deadline := time.Now().Add(5 * time.Second)
+	addAll := func() error {
+		for _, g := range gone {
+			if err := iv.AddDestination(ctx, g.svc, &ipvs.Destination{Address: g.dst.Address, Port: g.dst.Port, Weight: g.dst.Weight}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	const passes = 5
+	for pass := 1; ; pass++ {
+		for _, g := range gone {
+			if err := iv.DeleteDestination(ctx, g.svc, g.dst); err != nil {
+				return err
+			}
+		}
+		templates, conns, err := persistenceTemplates(node, time.Second)
+		if err != nil {
+			return err
+		}
+		if templates == 0 {
+			break
+		}
+		if pass == passes {
+			return fmt.Errorf("%d persistence templates outlived their real servers %d times:\n%s", templates, passes, conns)
+		}
+		if err := addAll(); err != nil {
+			return err
+		}
+	}
+	// In a random order: the rr scheduler starts over at the first real
+	// server of its list, so re-adding them in one order would send every
+	// first packet to the same one.
+	rand.Shuffle(len(gone), func(i, j int) { gone[i], gone[j] = gone[j], gone[i] })
+	return addAll()
+}
+
+// persistenceTemplates waits up to wait for the node's IPVS connection
+// table to hold no persistence template, and returns how many it still
+// holds, with the table.
+func persistenceTemplates(node *netnstest.NS, wait time.Duration) (int, []byte, error) {
+	deadline := time.Now().Add(wait)
 	for {
 		var conns []byte
 		if err := node.Do(func() error {
@@ -117,32 +156,22 @@ func forgetPersistence(node *netnstest.NS) error {
 			conns, err = os.ReadFile("/proc/thread-self/net/ip_vs_conn")
 			return err
 		}); err != nil {
-			return fmt.Errorf("reading the IPVS connections: %w", err)
+			return 0, nil, fmt.Errorf("reading the IPVS connections: %w", err)
 		}
 		templates := 0
-		for _, l := range strings.Split(string(conns), "\n") {
-			if strings.HasPrefix(l, "IP ") {
+		for _, l := range strings.Split(string(conns), "\n")[1:] {
+			// A template is keyed on the client's address alone: its
+			// client port (FPrt) is 0. Its protocol column is the
+			// virtual server's (TCP, UDP), "IP" only for a fwmark one.
+			if f := strings.Fields(l); len(f) > 2 && f[2] == "0000" {
 				templates++
 			}
 		}
-		if templates == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%d persistence templates outlived their real servers:\n%s", templates, conns)
+		if templates == 0 || time.Now().After(deadline) {
+			return templates, conns, nil
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	// In a random order: the rr scheduler starts over at the first real
-	// server of its list, so re-adding them in one order would send every
-	// first packet to the same one.
-	rand.Shuffle(len(gone), func(i, j int) { gone[i], gone[j] = gone[j], gone[i] })
-	for _, g := range gone {
-		if err := iv.AddDestination(ctx, g.svc, &ipvs.Destination{Address: g.dst.Address, Port: g.dst.Port, Weight: g.dst.Weight}); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // realTraceDivergences are the flows IPVS mode answers differently from

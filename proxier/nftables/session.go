@@ -5,18 +5,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
-	"unsafe"
 
 	"k8s.io/klog/v2"
 
 	"github.com/kproxy/kproxy/pkg/deadline"
+	"github.com/kproxy/kproxy/pkg/rawio"
 )
 
 // The nft session. Starting a process costs the agent more than a small
@@ -74,96 +73,12 @@ type nftSession struct {
 	cmd    *exec.Cmd
 	stdin  *os.File
 	stderr *os.File
-	// in writes to stdin; r reads stderr (both rawPipe).
-	in   rawPipe
+	// in writes to stdin; r reads stderr (both raw: pkg/rawio, so that a
+	// transaction does not wake the runtime's sysmon thread).
+	in   rawio.FD
 	r    *bufio.Reader
 	runs int
 	seq  uint64
-}
-
-// rawPipe writes and reads a non-blocking pipe with raw system calls, and
-// waits for it in the netpoller (under the file's deadlines) only when it
-// is full or empty. A transaction's line and its answer are a few hundred
-// bytes: os.File's read and write would tell the Go runtime they may
-// block, which wakes its sysmon thread from its deep sleep once or twice a
-// transaction; here neither can block (the pipes are non-blocking), and
-// the runtime is not told.
-type rawPipe struct {
-	rc syscall.RawConn
-}
-
-func newRawPipe(f *os.File) (rawPipe, error) {
-	rc, err := f.SyscallConn()
-	return rawPipe{rc: rc}, err
-}
-
-// rawIO is one read or write (trap) of b on fd, as a raw system call,
-// retried when a signal interrupts it.
-func rawIO(trap, fd uintptr, b []byte) (int, syscall.Errno) {
-	for {
-		n, _, e := syscall.RawSyscall(trap, fd, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)))
-		if e != syscall.EINTR {
-			return int(n), e
-		}
-	}
-}
-
-// Write writes all of b, waiting while the pipe is full; n is what was
-// written when an error (the deadline, a closed reader) stopped it.
-func (p rawPipe) Write(b []byte) (n int, err error) {
-	var errno syscall.Errno
-	werr := p.rc.Write(func(fd uintptr) bool {
-		for n < len(b) {
-			w, e := rawIO(syscall.SYS_WRITE, fd, b[n:])
-			switch e {
-			case 0:
-				n += w
-			case syscall.EAGAIN:
-				return false
-			default:
-				errno = e
-				return true
-			}
-		}
-		return true
-	})
-	if werr != nil {
-		return n, werr
-	}
-	if errno != 0 {
-		return n, os.NewSyscallError("write", errno)
-	}
-	return n, nil
-}
-
-// Read reads what the pipe holds, waiting while it is empty; io.EOF when
-// the writer has closed it.
-func (p rawPipe) Read(b []byte) (n int, err error) {
-	if len(b) == 0 {
-		return 0, nil
-	}
-	var errno syscall.Errno
-	rerr := p.rc.Read(func(fd uintptr) bool {
-		r, e := rawIO(syscall.SYS_READ, fd, b)
-		switch e {
-		case 0:
-			n = r
-		case syscall.EAGAIN:
-			return false
-		default:
-			errno = e
-		}
-		return true
-	})
-	switch {
-	case rerr != nil:
-		return 0, rerr
-	case errno != 0:
-		return 0, os.NewSyscallError("read", errno)
-	case n == 0:
-		return 0, io.EOF
-	}
-	return n, nil
 }
 
 // sessionSentinel is the n-th sentinel line.
@@ -220,8 +135,8 @@ func (n *execNFT) startSession() (*nftSession, error) {
 		_ = errR.Close()
 		return nil, fmt.Errorf("starting nft -i: %w", err)
 	}
-	in, err1 := newRawPipe(inW)
-	out, err2 := newRawPipe(errR)
+	in, err1 := rawio.New(inW)
+	out, err2 := rawio.New(errR)
 	if err := errors.Join(err1, err2); err != nil {
 		s := &nftSession{cmd: cmd, stdin: inW, stderr: errR}
 		s.kill()

@@ -114,6 +114,10 @@ type Result struct {
 	// nft).
 	CPUMsPerChange      float64 `json:"cpu_ms_per_change"`
 	ChildCPUMsPerChange float64 `json:"child_cpu_ms_per_change"`
+	// SwitchesPerChange is how many times kproxy's threads were put on a
+	// CPU per change (Usage.Switches; with the /metrics reads when no
+	// commit was seen): the wake-ups a change costs.
+	SwitchesPerChange float64 `json:"switches_per_change"`
 	// ScrapesPerChange and ScrapeCPUMs: /metrics reads per change and the
 	// CPU one costs kproxy, measured at idle.
 	ScrapesPerChange float64 `json:"scrapes_per_change"`
@@ -232,6 +236,7 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 	var commits, synced []time.Duration
 	var cpu, childCPU time.Duration
 	var scrapes, transactions int
+	var switches int64
 	var netProg float64
 	var netProgN float64
 	source := SourceKproxy
@@ -262,6 +267,7 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 		synced = append(synced, ch.synced)
 		cpu += ch.cpu - time.Duration(ch.scrapes)*scrapeCost
 		childCPU += ch.childCPU
+		switches += ch.switches
 		scrapes += ch.scrapes
 		transactions += ch.transactions
 		netProg += ch.netProgSum
@@ -291,6 +297,7 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 	res.CommitsPerChange = round3(float64(transactions) / k64)
 	res.CPUMsPerChange = round3(ms(cpu) / k64)
 	res.ChildCPUMsPerChange = round3(ms(childCPU) / k64)
+	res.SwitchesPerChange = round3(float64(switches) / k64)
 	res.ScrapesPerChange = round3(float64(scrapes) / k64)
 	res.TotalCPUS, res.TotalChildCPUS = u.CPU.Seconds(), u.ChildCPU.Seconds()
 	res.PeakRSSMiB = mib(u.HWM)
@@ -356,6 +363,7 @@ type change struct {
 	// seen); synced to the end of the sync kproxy records.
 	commit, synced time.Duration
 	cpu, childCPU  time.Duration
+	switches       int64
 	scrapes        int
 	transactions   int
 	// netProgSum and netProgCount are the deltas of kproxy's network
@@ -463,7 +471,7 @@ func measureChange(ctx context.Context, k *Kproxy, w *CommitWatcher, opts RunOpt
 	} else {
 		ch.scrapes = scrapesAtU1
 	}
-	ch.cpu, ch.childCPU = u1.CPU-u0.CPU, u1.ChildCPU-u0.ChildCPU
+	ch.cpu, ch.childCPU, ch.switches = u1.CPU-u0.CPU, u1.ChildCPU-u0.ChildCPU, u1.Switches-u0.Switches
 	ch.synced = st.LastSync.Sub(t0)
 	ch.netProgSum, ch.netProgCount = st.NetProgSum-st0.NetProgSum, st.NetProgCount-st0.NetProgCount
 	if w != nil {

@@ -22,6 +22,10 @@ type Usage struct {
 	// ticks) where schedstat is missing. Threads that ended are not
 	// counted; the Go runtime keeps its threads.
 	CPU time.Duration
+	// Switches is how many times its threads were put on a CPU (the third
+	// field of the same schedstat files): the context switches into
+	// kproxy, each a thread woken (0 where schedstat is missing).
+	Switches int64
 	// ChildCPU is the user and system time of its children: those it
 	// waited for (cutime+cstime: iptables-restore, nft -f) and those
 	// still running (utime+stime of each: the long-lived nft -i session
@@ -41,8 +45,8 @@ func readUsage(pid int) (Usage, error) {
 	if err != nil {
 		return Usage{}, fmt.Errorf("/proc/%d/stat: %w", pid, err)
 	}
-	if run, ok := threadsRunTime(pid); ok {
-		u.CPU = run
+	if run, switches, ok := threadsRunTime(pid); ok {
+		u.CPU, u.Switches = run, switches
 	}
 	u.ChildCPU += liveChildrenCPU(pid)
 	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
@@ -74,7 +78,7 @@ func liveChildrenCPU(pid int) time.Duration {
 			if err != nil {
 				continue
 			}
-			if run, ok := threadsRunTime(cpid); ok {
+			if run, _, ok := threadsRunTime(cpid); ok {
 				total += run
 				continue
 			}
@@ -91,30 +95,44 @@ func liveChildrenCPU(pid int) time.Duration {
 }
 
 // threadsRunTime sums the run time of pid's threads (the first field of
-// /proc/<pid>/task/<tid>/schedstat, in nanoseconds); ok is false when it
-// cannot be read.
-func threadsRunTime(pid int) (time.Duration, bool) {
+// /proc/<pid>/task/<tid>/schedstat, in nanoseconds) and the times they
+// were put on a CPU (the third); ok is false when they cannot be read.
+func threadsRunTime(pid int) (run time.Duration, switches int64, ok bool) {
 	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
 	if err != nil {
-		return 0, false
+		return 0, 0, false
 	}
-	var total time.Duration
 	for _, t := range tasks {
 		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/schedstat", pid, t.Name()))
 		if err != nil {
 			continue // the thread ended
 		}
-		f := strings.Fields(string(data))
-		if len(f) == 0 {
-			return 0, false
-		}
-		ns, err := strconv.ParseInt(f[0], 10, 64)
+		ns, n, err := parseSchedstat(data)
 		if err != nil {
-			return 0, false
+			return 0, 0, false
 		}
-		total += time.Duration(ns)
+		run += ns
+		switches += n
 	}
-	return total, true
+	return run, switches, true
+}
+
+// parseSchedstat reads a schedstat file: run time (ns), time waiting to
+// run (ns), times run.
+func parseSchedstat(data []byte) (time.Duration, int64, error) {
+	f := strings.Fields(string(data))
+	if len(f) < 3 {
+		return 0, 0, fmt.Errorf("malformed schedstat %q", data)
+	}
+	ns, err := strconv.ParseInt(f[0], 10, 64)
+	if err != nil {
+		return 0, 0, err
+	}
+	n, err := strconv.ParseInt(f[2], 10, 64)
+	if err != nil {
+		return 0, 0, err
+	}
+	return time.Duration(ns), n, nil
 }
 
 // parseStatCPU reads utime, stime, cutime and cstime (fields 14 to 17) of

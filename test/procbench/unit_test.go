@@ -303,9 +303,9 @@ func TestTableLine(t *testing.T) {
 // before it is waited for (as the nft -i session's is), and the process's
 // own CPU is read to the nanosecond from its threads' schedstat.
 func TestReadUsageCountsLiveChildren(t *testing.T) {
-	self, ok := threadsRunTime(os.Getpid())
-	if !ok || self <= 0 {
-		t.Fatalf("threadsRunTime(self) = %v, %v", self, ok)
+	self, switches, ok := threadsRunTime(os.Getpid())
+	if !ok || self <= 0 || switches <= 0 {
+		t.Fatalf("threadsRunTime(self) = %v, %d, %v", self, switches, ok)
 	}
 	before, err := readUsage(os.Getpid())
 	if err != nil {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/netip"
 	"os"
@@ -20,6 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 	"sigs.k8s.io/knftables"
@@ -30,6 +32,7 @@ import (
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/metrics"
 	"github.com/kproxy/kproxy/pkg/proxy"
+	"github.com/kproxy/kproxy/pkg/rawio"
 	"github.com/kproxy/kproxy/proxier"
 	iptbackend "github.com/kproxy/kproxy/proxier/iptables"
 )
@@ -212,13 +215,31 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		// The informers' lists and watches wait for an API server that is
 		// down or starting instead of backing off up to 30 s after it
 		// returns (config.NewRetryingTransport).
+		// The API server's connection is read and written with raw
+		// system calls (pkg/rawio): a watch event then does not wake the
+		// runtime's sysmon thread, which would poll every 20 µs for as
+		// long as the change is processed.
+		dialer := &net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}
+		restCfg.Dial = func(ctx context.Context, network, address string) (net.Conn, error) {
+			c, err := dialer.DialContext(ctx, network, address)
+			if err != nil {
+				return nil, err
+			}
+			return rawio.WrapConn(c), nil
+		}
 		restCfg.Wrap(func(rt http.RoundTripper) http.RoundTripper {
 			return config.NewRetryingTransport(rt, config.RetryOptions{Logger: klog.FromContext(ctx)})
 		})
-		if client, err = kubernetes.NewForConfig(restCfg); err != nil {
+		// One transport (one connection) for both clients: client-go
+		// does not share the transports of a config with its own Dial.
+		httpClient, err := rest.HTTPClientFor(restCfg)
+		if err != nil {
+			return fmt.Errorf("building API transport: %w", err)
+		}
+		if client, err = kubernetes.NewForConfigAndClient(restCfg, httpClient); err != nil {
 			return fmt.Errorf("building API client: %w", err)
 		}
-		if metadataClient, err = metadata.NewForConfig(restCfg); err != nil {
+		if metadataClient, err = metadata.NewForConfigAndClient(restCfg, httpClient); err != nil {
 			return fmt.Errorf("building API metadata client: %w", err)
 		}
 	}
