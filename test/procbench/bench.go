@@ -35,6 +35,10 @@ const (
 	commitPoll    = 5 * time.Millisecond
 	maxCommitPoll = 80 * time.Millisecond
 	idlePoll      = time.Second
+	// metricsFallback is how long a change waits for its commit to be
+	// seen before kproxy's progress is read from /metrics instead of
+	// /healthz (notifications lost).
+	metricsFallback = 5 * time.Second
 	// noWatcherPoll is how often /metrics is read without kernel
 	// notifications.
 	noWatcherPoll = 10 * time.Millisecond
@@ -237,8 +241,12 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 	var cpu, childCPU time.Duration
 	var scrapes, transactions int
 	var switches int64
-	var netProg float64
-	var netProgN float64
+	// kproxy's network programming latency over the changes: its
+	// histogram's sum and count, read before and after them.
+	stBefore, err := k.SyncState(ctx)
+	if err != nil {
+		return res, err
+	}
 	source := SourceKproxy
 	if watcher != nil {
 		source = SourceKernel
@@ -270,8 +278,6 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 		switches += ch.switches
 		scrapes += ch.scrapes
 		transactions += ch.transactions
-		netProg += ch.netProgSum
-		netProgN += ch.netProgCount
 	}
 	if source == SourceKproxy {
 		// Without every commit seen, use kproxy's time for all.
@@ -290,8 +296,12 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 	}
 	sortedSynced := slices.Sorted(slices.Values(synced))
 	res.SyncedP50Ms, res.SyncedP90Ms = ms(percentile(sortedSynced, 50)), ms(percentile(sortedSynced, 90))
-	if netProgN > 0 {
-		res.KproxyLatencyMeanMs = round3(netProg / netProgN * 1000)
+	stAfter, err := k.SyncState(ctx)
+	if err != nil {
+		return res, err
+	}
+	if n := stAfter.NetProgCount - stBefore.NetProgCount; n > 0 {
+		res.KproxyLatencyMeanMs = round3((stAfter.NetProgSum - stBefore.NetProgSum) / n * 1000)
 	}
 	k64 := float64(opts.Changes)
 	res.CommitsPerChange = round3(float64(transactions) / k64)
@@ -366,16 +376,28 @@ type change struct {
 	switches       int64
 	scrapes        int
 	transactions   int
-	// netProgSum and netProgCount are the deltas of kproxy's network
-	// programming latency histogram.
-	netProgSum, netProgCount float64
 }
+
+// errNotYet: the sync carrying the change has not ended yet.
+var errNotYet = errors.New("the change is not synced yet")
 
 // measureChange waits until kproxy is idle past opts.Settle, changes
 // endpoint j of Service i and waits for the sync that carries the change.
 func measureChange(ctx context.Context, k *Kproxy, w *CommitWatcher, opts RunOptions, i, j int) (change, error) {
 	var ch change
-	st0, err := k.SyncState(ctx)
+	// With the kernel's commits seen, kproxy's progress is read from
+	// /healthz; /metrics (its counters) only without them, or once a
+	// change has waited metricsFallback for its commit.
+	var t0 time.Time
+	state := func() (syncState, bool, error) {
+		if w != nil && (t0.IsZero() || time.Since(t0) < metricsFallback) {
+			at, err := k.LastSync(ctx)
+			return syncState{LastSync: at}, false, err
+		}
+		st, err := k.SyncState(ctx)
+		return st, true, err
+	}
+	st0, _, err := state()
 	if err != nil {
 		return ch, err
 	}
@@ -403,7 +425,6 @@ func measureChange(ctx context.Context, k *Kproxy, w *CommitWatcher, opts RunOpt
 		default:
 		}
 	}
-	var t0 time.Time
 	if err := opts.Objects.ChangeEndpoint(ctx, i, j, func() time.Time { t0 = time.Now(); return t0 }); err != nil {
 		return ch, err
 	}
@@ -445,9 +466,22 @@ func measureChange(ctx context.Context, k *Kproxy, w *CommitWatcher, opts RunOpt
 		if exited, werr := k.Exited(); exited {
 			return ch, fmt.Errorf("kproxy exited (%v); its log ends:\n%s", werr, k.LogTail(15))
 		}
-		st, err = k.SyncState(ctx)
-		ch.scrapes++
-		if err == nil && st.EndpointChanges > st0.EndpointChanges && st.Syncs > st0.Syncs && st.LastSync.After(t0) {
+		var fromMetrics bool
+		st, fromMetrics, err = state()
+		if fromMetrics {
+			ch.scrapes++
+		}
+		switch {
+		case err != nil || !st.LastSync.After(t0):
+		case !fromMetrics && sawCommit:
+			// The change's commit was seen and a sync has ended since.
+		case fromMetrics && st.EndpointChanges > st0.EndpointChanges && st.Syncs > st0.Syncs:
+			// st0 from /healthz has no counters: then any sync that
+			// ended after the change counts.
+		default:
+			err = errNotYet
+		}
+		if err == nil {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -473,7 +507,6 @@ func measureChange(ctx context.Context, k *Kproxy, w *CommitWatcher, opts RunOpt
 	}
 	ch.cpu, ch.childCPU, ch.switches = u1.CPU-u0.CPU, u1.ChildCPU-u0.ChildCPU, u1.Switches-u0.Switches
 	ch.synced = st.LastSync.Sub(t0)
-	ch.netProgSum, ch.netProgCount = st.NetProgSum-st0.NetProgSum, st.NetProgCount-st0.NetProgCount
 	if w != nil {
 		if err := cluster.Sleep(ctx, drain); err != nil {
 			return ch, err

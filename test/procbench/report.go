@@ -33,8 +33,8 @@ func NewReport(runs []Result, notes map[string]string) Report {
 		"kproxy":     "the real kproxy binary in a network namespace of its own on the cluster's switch, default sync periods",
 		"change":     "one endpoint's address (a new Pod) in one Service's EndpointSlice, written with an Update; changes spaced so that kproxy is idle past its minimum sync period",
 		"change_end": "the kernel commit: the first notification of the last nf_tables transaction changing IPv4 rules before kproxy's sync ended, received on a netlink socket in kproxy's namespace",
-		"synced":     "kubeproxy_sync_proxy_rules_last_timestamp_seconds, the time kproxy records after the sync",
-		"cpu":        "run time of kproxy's threads (/proc/<pid>/task/*/schedstat, ns, summed over the changes), less the /metrics reads; child CPU is cutime+cstime (iptables-restore, nft -f) plus the run time of running children (the nft -i session)",
+		"synced":     "the time kproxy records after the sync: /healthz's IPv4 lastUpdated once the commit is seen, else kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+		"cpu":        "run time of kproxy's threads (/proc/<pid>/task/*/schedstat, ns, summed over the changes) from before the change to 20 ms after its commit, before any read of kproxy's endpoints (without a commit seen: to the sync's end, less the calibrated cost of the /metrics reads); child CPU is cutime+cstime (iptables-restore, nft -f) plus the run time of running children (the nft -i session)",
 		"rss":        "VmHWM of kproxy (/proc/<pid>/status)",
 	}
 	for k, v := range notes {

@@ -335,3 +335,24 @@ func TestReadUsageCountsLiveChildren(t *testing.T) {
 		t.Errorf("CPU went back: %v -> %v", before.CPU, after.CPU)
 	}
 }
+
+func TestParseHealthzLastSync(t *testing.T) {
+	at := time.Date(2026, 12, 2, 13, 40, 1, 123456789, time.UTC)
+	for _, tc := range []struct {
+		name, body string
+		want       time.Time
+		wantErr    bool
+	}{
+		{"healthy, two families", `{"lastUpdated":"2026-12-02T13:45:00Z","currentTime":"2026-12-02T13:45:00Z","healthy":true,"status":{"IPv4":{"lastUpdated":"2026-12-02T13:40:01.123456789Z","healthy":true},"IPv6":{"lastUpdated":"2026-12-02T13:39:00Z","healthy":true}}}`, at, false},
+		{"before the first sync", `{"lastUpdated":"0001-01-01T00:00:00Z","healthy":false,"status":{"IPv4":{"lastUpdated":"0001-01-01T00:00:00Z","healthy":false}}}`, time.Time{}, false},
+		{"no IPv4 proxier", `{"healthy":true,"status":{"IPv6":{"lastUpdated":"2026-12-02T13:39:00Z","healthy":true}}}`, time.Time{}, false},
+		{"not JSON", `404 page not found`, time.Time{}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := parseHealthzLastSync([]byte(tc.body))
+			if (err != nil) != tc.wantErr || !got.Equal(tc.want) {
+				t.Fatalf("parseHealthzLastSync = %v, %v; want %v (error %v)", got, err, tc.want, tc.wantErr)
+			}
+		})
+	}
+}
