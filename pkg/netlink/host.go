@@ -17,23 +17,19 @@ import (
 // addresses net.InterfaceAddrs reports, without the link dump that call
 // makes too: a partial sync spent a third of its time there.
 func HostAddresses() ([]netip.Addr, error) {
-	rib, err := addrDump()
-	if err != nil {
-		return nil, fmt.Errorf("listing interface addresses: %w", err)
-	}
-	msgs, err := syscall.ParseNetlinkMessage(rib)
+	msgs, err := addrDump()
 	if err != nil {
 		return nil, fmt.Errorf("listing interface addresses: %w", err)
 	}
 	return parseAddrMessages(msgs)
 }
 
-// addrDump is syscall.NetlinkRIB(RTM_GETADDR, AF_UNSPEC) made with raw
-// system calls: none of them blocks (the kernel answers a dump request
+// addrDump is the messages of syscall.NetlinkRIB(RTM_GETADDR, AF_UNSPEC),
+// each read parsed once, made with raw system calls: none of them blocks (the kernel answers a dump request
 // while it is sent, and reads wait only when the dump is not ready, which
 // falls back to a blocking read), so the Go runtime is not told of them,
 // and a sync does not wake its sysmon thread (see pkg/rawio).
-func addrDump() ([]byte, error) {
+func addrDump() ([]syscall.NetlinkMessage, error) {
 	s, err := syscall.Socket(syscall.AF_NETLINK, syscall.SOCK_RAW|syscall.SOCK_CLOEXEC, syscall.NETLINK_ROUTE)
 	if err != nil {
 		return nil, err
@@ -56,7 +52,7 @@ func addrDump() ([]byte, error) {
 		uintptr(unsafe.Pointer(&sa)), syscall.SizeofSockaddrNetlink); e != 0 {
 		return nil, os.NewSyscallError("sendto", e)
 	}
-	var tab []byte
+	var all []syscall.NetlinkMessage
 	buf := make([]byte, os.Getpagesize()*4)
 	for {
 		n, _, e := syscall.RawSyscall6(syscall.SYS_RECVFROM, uintptr(s), uintptr(unsafe.Pointer(&buf[0])), uintptr(len(buf)), syscall.MSG_DONTWAIT, 0, 0)
@@ -76,17 +72,19 @@ func addrDump() ([]byte, error) {
 		if n < syscall.NLMSG_HDRLEN {
 			return nil, syscall.EINVAL
 		}
-		tab = append(tab, buf[:n]...)
-		msgs, err := syscall.ParseNetlinkMessage(buf[:n])
+		// The messages point into what they were parsed from: a copy,
+		// as buf is read into again.
+		msgs, err := syscall.ParseNetlinkMessage(append([]byte(nil), buf[:n]...))
 		if err != nil {
 			return nil, err
 		}
+		all = append(all, msgs...)
 		for _, m := range msgs {
 			if m.Header.Seq != seq {
 				return nil, syscall.EINVAL
 			}
 			if m.Header.Type == syscall.NLMSG_DONE || m.Header.Type == syscall.NLMSG_ERROR {
-				return tab, nil
+				return all, nil
 			}
 		}
 	}
