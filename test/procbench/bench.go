@@ -122,6 +122,12 @@ type Result struct {
 	// CPU per change (Usage.Switches; with the /metrics reads when no
 	// commit was seen): the wake-ups a change costs.
 	SwitchesPerChange float64 `json:"switches_per_change"`
+	// AllocKiBPerChange and GCsPerChange are what kproxy's Go runtime
+	// allocated and how many collections it completed, per change, from
+	// the /metrics read before the changes to the one after them (the
+	// benchmark's /healthz and /metrics reads over the changes included).
+	AllocKiBPerChange float64 `json:"alloc_kib_per_change"`
+	GCsPerChange      float64 `json:"gcs_per_change"`
 	// ScrapesPerChange and ScrapeCPUMs: /metrics reads per change and the
 	// CPU one costs kproxy, measured at idle.
 	ScrapesPerChange float64 `json:"scrapes_per_change"`
@@ -304,6 +310,8 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 		res.KproxyLatencyMeanMs = round3((stAfter.NetProgSum - stBefore.NetProgSum) / n * 1000)
 	}
 	k64 := float64(opts.Changes)
+	res.AllocKiBPerChange = round3((stAfter.AllocBytes - stBefore.AllocBytes) / 1024 / k64)
+	res.GCsPerChange = round3((stAfter.GCCycles - stBefore.GCCycles) / k64)
 	res.CommitsPerChange = round3(float64(transactions) / k64)
 	res.CPUMsPerChange = round3(ms(cpu) / k64)
 	res.ChildCPUMsPerChange = round3(ms(childCPU) / k64)

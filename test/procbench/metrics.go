@@ -130,6 +130,8 @@ const (
 	metricNetProgCount    = "kubeproxy_network_programming_duration_seconds_count"
 	metricNetProgSum      = "kubeproxy_network_programming_duration_seconds_sum"
 	metricRestoreFailures = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
+	metricAllocBytes      = "go_memstats_alloc_bytes_total"
+	metricGCCycles        = "go_gc_duration_seconds_count"
 )
 
 // syncState is what the benchmark follows of kproxy's IPv4 syncs.
@@ -146,6 +148,9 @@ type syncState struct {
 	NetProgCount, NetProgSum float64
 	// Failures counts failed syncs.
 	Failures float64
+	// AllocBytes and GCCycles are the Go runtime's: bytes allocated and
+	// collections completed since the start.
+	AllocBytes, GCCycles float64
 }
 
 // syncStateOf extracts the IPv4 sync state from samples.
@@ -162,6 +167,8 @@ func syncStateOf(s Samples) syncState {
 		NetProgCount:    get(metricNetProgCount, fam, "IPv4"),
 		NetProgSum:      get(metricNetProgSum, fam, "IPv4"),
 		Failures:        get(metricRestoreFailures, fam, "IPv4"),
+		AllocBytes:      get(metricAllocBytes),
+		GCCycles:        get(metricGCCycles),
 	}
 	if v := get(metricLastSync, fam, "IPv4"); v > 0 {
 		sec, frac := math.Modf(v)

@@ -293,7 +293,7 @@ func TestParseConfig(t *testing.T) {
 
 func TestTableLine(t *testing.T) {
 	r := Result{Mode: "iptables", Services: 10000, Nodes: 5000, FirstSyncS: 12.345, ChangeP50Ms: 401.2, ChangeP90Ms: 455.9,
-		CPUMsPerChange: 120.5, ChildCPUMsPerChange: 210.25, PeakRSSMiB: 301.4}
+		CPUMsPerChange: 120.5, ChildCPUMsPerChange: 210.25, SwitchesPerChange: 151.2, AllocKiBPerChange: 2048.5, GCsPerChange: 0.33, PeakRSSMiB: 301.4}
 	if got, want := len(TableLine(r)), len(TableHeader()); got != want {
 		t.Errorf("line of %d characters under a header of %d:\n%s\n%s", got, want, TableHeader(), TableLine(r))
 	}

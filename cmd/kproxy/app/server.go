@@ -31,6 +31,7 @@ import (
 	"github.com/kproxy/kproxy/pkg/healthcheck"
 	ipt "github.com/kproxy/kproxy/pkg/iptables"
 	"github.com/kproxy/kproxy/pkg/metrics"
+	"github.com/kproxy/kproxy/pkg/netlink"
 	"github.com/kproxy/kproxy/pkg/proxy"
 	"github.com/kproxy/kproxy/pkg/rawio"
 	"github.com/kproxy/kproxy/proxier"
@@ -212,6 +213,13 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		// Protobuf by default, as kube-proxy: at 10,000 Services the
 		// initial lists decode with about half the garbage of JSON.
 		restCfg.ContentType = o.KubeAPIContentType
+		// Go's transport asks for gzip unless told not to, and the API
+		// server (its WatchListCompression) then compresses the informers'
+		// watch streams, lists and every later event alike: each event
+		// arrives as a gzip member to inflate. Off unless
+		// --kube-api-compression; a kubeconfig's disable-compression
+		// still wins.
+		restCfg.DisableCompression = restCfg.DisableCompression || !o.KubeAPICompression
 		// The informers' lists and watches wait for an API server that is
 		// down or starting instead of backing off up to 30 s after it
 		// returns (config.NewRetryingTransport).
@@ -317,8 +325,16 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 			hcPrefixes = append(hcPrefixes, npAddrs[fam].Prefixes()...)
 		}
 	}
+	// The node's addresses, read by every sync of the node ports and the
+	// health-check listeners, are dumped again only when the kernel
+	// announces a change (netlink.HostAddressCache).
+	if deps.localAddresses == nil {
+		hostAddrs := &netlink.HostAddressCache{}
+		defer func() { _ = hostAddrs.Close() }()
+		deps.localAddresses = hostAddrs.Addresses
+	}
 	svcHealth := healthcheck.NewServiceHealthServer(healthcheck.ServiceHealthOptions{
-		NodePortAddresses: hcPrefixes, ProxyHealth: health, Logger: logger,
+		NodePortAddresses: hcPrefixes, ProxyHealth: health, Logger: logger, LocalAddresses: deps.localAddresses,
 	})
 	defer svcHealth.Close()
 
