@@ -15,6 +15,12 @@ import (
 const (
 	// DefaultChanges is how many one-endpoint changes a run measures.
 	DefaultChanges = 30
+	// DefaultReceiveOnly is how many receive-only events (TouchSlice)
+	// a run measures after its changes.
+	DefaultReceiveOnly = 10
+	// receiveWindow is how long kproxy's CPU is counted after a
+	// receive-only event, and in the idle window before it.
+	receiveWindow = 200 * time.Millisecond
 	// DefaultSettle spaces the changes beyond kproxy's default
 	// --iptables-min-sync-period (1 s): each change is measured from an
 	// idle kproxy, not behind the previous one's rate limit.
@@ -72,8 +78,11 @@ type RunOptions struct {
 	Objects *Objects
 	// Changes, Settle and FirstSyncTimeout default to DefaultChanges,
 	// DefaultSettle and DefaultFirstSyncTimeout.
-	Changes          int
-	Settle           time.Duration
+	Changes int
+	Settle  time.Duration
+	// ReceiveOnly is how many receive-only events are measured after the
+	// changes: 0 means DefaultReceiveOnly, negative none.
+	ReceiveOnly      int
 	FirstSyncTimeout time.Duration
 	// Logf reports progress; nil is silent.
 	Logf func(format string, args ...any)
@@ -128,6 +137,18 @@ type Result struct {
 	// benchmark's /healthz and /metrics reads over the changes included).
 	AllocKiBPerChange float64 `json:"alloc_kib_per_change"`
 	GCsPerChange      float64 `json:"gcs_per_change"`
+	// ReceiveOnly* measure events kproxy receives but has nothing to
+	// sync for (TouchSlice): its CPU and context switches in the
+	// receiveWindow after the write (ReceiveOnlyCPUMs), and in the same
+	// window idle just before it (IdleWindowCPUMs), medians over
+	// ReceiveOnlyEvents; events with a sync in the window are left out.
+	// What kproxy spends to receive one change before any sync: the
+	// watch's HTTP/2 read, decoding, the informer and the handlers.
+	ReceiveOnlyEvents   int     `json:"receive_only_events"`
+	ReceiveOnlyCPUMs    float64 `json:"receive_only_cpu_ms"`
+	ReceiveOnlySwitches float64 `json:"receive_only_switches"`
+	IdleWindowCPUMs     float64 `json:"idle_window_cpu_ms"`
+	IdleWindowSwitches  float64 `json:"idle_window_switches"`
 	// ScrapesPerChange and ScrapeCPUMs: /metrics reads per change and the
 	// CPU one costs kproxy, measured at idle.
 	ScrapesPerChange float64 `json:"scrapes_per_change"`
@@ -161,6 +182,9 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 	}
 	if opts.Settle <= 0 {
 		opts.Settle = DefaultSettle
+	}
+	if opts.ReceiveOnly == 0 {
+		opts.ReceiveOnly = DefaultReceiveOnly
 	}
 	if opts.FirstSyncTimeout <= 0 {
 		opts.FirstSyncTimeout = DefaultFirstSyncTimeout
@@ -288,6 +312,11 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 	if source == SourceKproxy {
 		// Without every commit seen, use kproxy's time for all.
 		commits = synced
+	}
+	if opts.ReceiveOnly > 0 {
+		if err := measureReceiveOnly(ctx, k, opts, &res); err != nil {
+			return res, err
+		}
 	}
 	u, err = k.Usage()
 	if err != nil {
@@ -524,6 +553,76 @@ func measureChange(ctx context.Context, k *Kproxy, w *CommitWatcher, opts RunOpt
 		ch.commit = lastIPv4Commit(evs, t0)
 	}
 	return ch, nil
+}
+
+// measureReceiveOnly measures opts.ReceiveOnly receive-only events (see
+// Result.ReceiveOnlyCPUMs), each after opts.Settle: an idle window, then
+// one TouchSlice and the same window after it.
+func measureReceiveOnly(ctx context.Context, k *Kproxy, opts RunOptions, res *Result) error {
+	var cpu, idle []time.Duration
+	var switches, idleSwitches []float64
+	n := opts.Objects.Services()
+	for c := range opts.ReceiveOnly {
+		if err := cluster.Sleep(ctx, opts.Settle); err != nil {
+			return err
+		}
+		last0, err := k.LastSync(ctx)
+		if err != nil {
+			return err
+		}
+		if err := cluster.Sleep(ctx, quiet); err != nil {
+			return err
+		}
+		ua, err := k.Usage()
+		if err != nil {
+			return err
+		}
+		if err := cluster.Sleep(ctx, receiveWindow); err != nil {
+			return err
+		}
+		ub, err := k.Usage()
+		if err != nil {
+			return err
+		}
+		if err := opts.Objects.TouchSlice(ctx, (c*104729+31)%n); err != nil {
+			return err
+		}
+		if err := cluster.Sleep(ctx, receiveWindow); err != nil {
+			return err
+		}
+		uc, err := k.Usage()
+		if err != nil {
+			return err
+		}
+		last1, err := k.LastSync(ctx)
+		if err != nil {
+			return err
+		}
+		if !last1.Equal(last0) {
+			// A periodic sync ran in the windows.
+			continue
+		}
+		res.ReceiveOnlyEvents++
+		idle = append(idle, ub.CPU-ua.CPU)
+		idleSwitches = append(idleSwitches, float64(ub.Switches-ua.Switches))
+		cpu = append(cpu, uc.CPU-ub.CPU)
+		switches = append(switches, float64(uc.Switches-ub.Switches))
+	}
+	if res.ReceiveOnlyEvents > 0 {
+		// Medians: a collection that falls into one window would
+		// otherwise dominate ten.
+		res.ReceiveOnlyCPUMs = ms(percentile(slices.Sorted(slices.Values(cpu)), 50))
+		res.IdleWindowCPUMs = ms(percentile(slices.Sorted(slices.Values(idle)), 50))
+		res.ReceiveOnlySwitches = round3(median(switches))
+		res.IdleWindowSwitches = round3(median(idleSwitches))
+	}
+	return nil
+}
+
+// median is the middle value of v (the lower of the two middle ones).
+func median(v []float64) float64 {
+	s := slices.Sorted(slices.Values(v))
+	return s[(len(s)-1)/2]
 }
 
 // lastIPv4Commit is the time from t0 to the last commit among evs that

@@ -453,6 +453,38 @@ func (o *Objects) ChangeEndpoint(ctx context.Context, i, j int, write func() tim
 	return nil
 }
 
+// AnnotationReceiveOnly is the annotation TouchSlice changes: kproxy
+// drops it (an informer transform keeps only the annotations it reads), so
+// the event it causes changes nothing kproxy syncs.
+const AnnotationReceiveOnly = "procbench.kproxy.io/touched"
+
+// TouchSlice changes only the AnnotationReceiveOnly annotation of Service
+// i's EndpointSlice: an update event that kproxy receives, decodes and
+// hands to its engines, which find nothing to sync.
+func (o *Objects) TouchSlice(ctx context.Context, i int) error {
+	o.mu.Lock()
+	if i >= len(o.slices) || o.slices[i] == nil {
+		o.mu.Unlock()
+		return fmt.Errorf("no EndpointSlice for Service %d", i)
+	}
+	o.changes++
+	change := o.changes
+	slice := o.slices[i].DeepCopy()
+	o.mu.Unlock()
+	if slice.Annotations == nil {
+		slice.Annotations = map[string]string{}
+	}
+	slice.Annotations[AnnotationReceiveOnly] = strconv.Itoa(change)
+	got, err := o.client.DiscoveryV1().EndpointSlices(Namespace).Update(ctx, slice, metav1.UpdateOptions{})
+	if err != nil {
+		return fmt.Errorf("updating EndpointSlice %s: %w", slice.Name, err)
+	}
+	o.mu.Lock()
+	o.slices[i] = got
+	o.mu.Unlock()
+	return nil
+}
+
 // parallel runs fn for every i in [from, to) on workers goroutines and
 // returns the first error; an error stops the remaining work.
 func parallel(ctx context.Context, workers, from, to int, fn func(ctx context.Context, i int) error) error {

@@ -178,6 +178,10 @@ func TestProcessBenchmark(t *testing.T) {
 			}
 			results = append(results, res)
 			say("%s (run took %.0f s)", TableLine(res), time.Since(runStart).Seconds())
+			if res.ReceiveOnlyEvents > 0 {
+				say("%s, %d Services: receive-only event (median) %.2f ms, %.1f switches (the same window idle: %.2f ms, %.1f switches; %d events)",
+					mode, res.Services, res.ReceiveOnlyCPUMs, res.ReceiveOnlySwitches, res.IdleWindowCPUMs, res.IdleWindowSwitches, res.ReceiveOnlyEvents)
+			}
 		}
 	}
 }

@@ -356,3 +356,21 @@ func TestParseHealthzLastSync(t *testing.T) {
 		})
 	}
 }
+
+func TestMedian(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		v    []float64
+		want float64
+	}{
+		{name: "one", v: []float64{3}, want: 3},
+		{name: "odd", v: []float64{9, 1, 5}, want: 5},
+		{name: "even takes the lower middle", v: []float64{4, 1, 3, 2}, want: 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := median(tc.v); got != tc.want {
+				t.Errorf("median(%v) = %v, want %v", tc.v, got, tc.want)
+			}
+		})
+	}
+}
