@@ -16,7 +16,7 @@ import (
 // listeners) then costs one non-blocking read of a netlink socket that
 // listens to address changes (RTMGRP_IPV4_IFADDR and RTMGRP_IPV6_IFADDR)
 // instead of an address dump on a new socket: at 1,000 Services that
-// dump was a quarter of kproxy's CPU in a partial sync.
+// dump was a quarter of the sync goroutine's CPU per change (perf).
 //
 // The socket listens before the first dump, so a change is either in the
 // dump or waiting on the socket for the next call. A change the socket
@@ -56,7 +56,10 @@ func (c *HostAddressCache) Addresses() ([]netip.Addr, error) {
 		}
 		c.fd, c.opened = fd, true
 	}
-	if c.valid && c.drainLocked() {
+	// Drained on every call, also when the cache is already invalid (a
+	// failed dump): the notifications of a change the coming dump reads
+	// are not left to invalidate the next call's cache.
+	if c.drainLocked() {
 		c.valid = false
 	}
 	if !c.valid {
