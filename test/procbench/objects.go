@@ -430,27 +430,11 @@ func (o *Objects) GrowNodes(ctx context.Context, n int) error {
 // writes the EndpointSlice. write is called just before the request goes
 // out.
 func (o *Objects) ChangeEndpoint(ctx context.Context, i, j int, write func() time.Time) error {
-	o.mu.Lock()
-	if i >= len(o.slices) || o.slices[i] == nil {
-		o.mu.Unlock()
-		return fmt.Errorf("no EndpointSlice for Service %d", i)
-	}
-	o.changes++
-	change := o.changes
-	slice := o.slices[i].DeepCopy()
-	o.mu.Unlock()
-
-	slice.Endpoints[j] = endpoint(i, j, changedIP(i, j, change), podName(i, j, change))
-	at := write()
-	slice.Annotations[v1.EndpointsLastChangeTriggerTime] = at.UTC().Format(time.RFC3339Nano)
-	got, err := o.client.DiscoveryV1().EndpointSlices(Namespace).Update(ctx, slice, metav1.UpdateOptions{})
-	if err != nil {
-		return fmt.Errorf("updating EndpointSlice %s: %w", slice.Name, err)
-	}
-	o.mu.Lock()
-	o.slices[i] = got
-	o.mu.Unlock()
-	return nil
+	return o.updateSlice(ctx, i, func(slice *discovery.EndpointSlice, change int) {
+		slice.Endpoints[j] = endpoint(i, j, changedIP(i, j, change), podName(i, j, change))
+		at := write()
+		slice.Annotations[v1.EndpointsLastChangeTriggerTime] = at.UTC().Format(time.RFC3339Nano)
+	})
 }
 
 // AnnotationReceiveOnly is the annotation TouchSlice changes: kproxy
@@ -462,6 +446,18 @@ const AnnotationReceiveOnly = "procbench.kproxy.io/touched"
 // i's EndpointSlice: an update event that kproxy receives, decodes and
 // hands to its engines, which find nothing to sync.
 func (o *Objects) TouchSlice(ctx context.Context, i int) error {
+	return o.updateSlice(ctx, i, func(slice *discovery.EndpointSlice, change int) {
+		if slice.Annotations == nil {
+			slice.Annotations = map[string]string{}
+		}
+		slice.Annotations[AnnotationReceiveOnly] = strconv.Itoa(change)
+	})
+}
+
+// updateSlice writes Service i's EndpointSlice as edit changes a copy of
+// it (edit is given the change's sequence number and runs just before the
+// request goes out), and keeps what the API server returned.
+func (o *Objects) updateSlice(ctx context.Context, i int, edit func(slice *discovery.EndpointSlice, change int)) error {
 	o.mu.Lock()
 	if i >= len(o.slices) || o.slices[i] == nil {
 		o.mu.Unlock()
@@ -471,10 +467,8 @@ func (o *Objects) TouchSlice(ctx context.Context, i int) error {
 	change := o.changes
 	slice := o.slices[i].DeepCopy()
 	o.mu.Unlock()
-	if slice.Annotations == nil {
-		slice.Annotations = map[string]string{}
-	}
-	slice.Annotations[AnnotationReceiveOnly] = strconv.Itoa(change)
+
+	edit(slice, change)
 	got, err := o.client.DiscoveryV1().EndpointSlices(Namespace).Update(ctx, slice, metav1.UpdateOptions{})
 	if err != nil {
 		return fmt.Errorf("updating EndpointSlice %s: %w", slice.Name, err)
