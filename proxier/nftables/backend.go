@@ -83,7 +83,7 @@
 // digest of every element the table holds. Same layout: chains found by
 // name (listed over netlink) hold what their names say. Same digest too:
 // nothing to write. Otherwise the sync lists every map and set except the
-// endpoints maps, which are large: each dispatch element's comment carries
+// endpoints maps, which are large: each endpoint-slots element's comment carries
 // a hash of its destination's endpoint slots, their counts and their
 // assignment (permToken), so the slots of a destination whose endpoints
 // are unchanged are kept, in the order the table has, and those of one
@@ -574,8 +574,8 @@ type kernelState struct {
 	// small holds the elements of the listed maps and sets (canaries
 	// left out), by elem.id.
 	small map[string]elem
-	// dests are the destinations of the dispatch elements, with the hash
-	// and counts of their endpoint slots.
+	// dests are the destinations of the endpoint-slots elements, with the
+	// hash and counts of their endpoint slots.
 	dests map[destKey]destInfo
 }
 
@@ -684,22 +684,31 @@ func (b *Backend) listSet(ctx context.Context, sd *setDef, each func(e elem) err
 
 // listSmall lists every map and set of the table but the endpoints maps,
 // the dynamic sets and sync-state into k.small (canaries left out) and
-// the destinations of the dispatch elements into k.dests.
+// the destinations of the endpoint-slots elements into k.dests. A table
+// without the endpoint-slots sets was written by a kproxy of layout 1,
+// whose dispatch elements carried the same comments: its destinations are
+// read from those, so that its endpoint slots are reconciled, not
+// rewritten.
 func (b *Backend) listSmall(ctx context.Context, l *layout, k *kernelState) error {
+	slotsIn := map[string]bool{setEndpointSlots: false, setNodePortEndpointSlots: true} // name: node ports
+	if !k.sets[setEndpointSlots] && !k.sets[setNodePortEndpointSlots] {
+		slotsIn = map[string]bool{mapServiceIPs: false, mapServiceNodePorts: true}
+	}
 	for _, sd := range l.sets() {
 		if sd.dynamic || sd.big || sd.name == setSyncState || !k.sets[sd.name] {
 			continue
 		}
+		nodePort, slots := slotsIn[sd.name]
 		err := b.listSet(ctx, sd, func(e elem) error {
 			if strings.HasPrefix(e.comment, canaryComment) {
 				return nil
 			}
 			k.small[e.id()] = e
-			if sd.name != mapServiceIPs && sd.name != mapServiceNodePorts {
+			if !slots {
 				return nil
 			}
-			dk, ok := parseDispatchKey(sd.name == mapServiceNodePorts, e.key)
-			hash, counts, perm, ok2 := parseDispatchComment(e.comment)
+			dk, ok := parseDispatchKey(nodePort, e.key)
+			hash, counts, perm, ok2 := parseSlotsComment(e.comment)
 			if !ok || !ok2 {
 				return fmt.Errorf("unexpected element %s (comment %q)", e.id(), e.comment)
 			}

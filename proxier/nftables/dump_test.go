@@ -13,9 +13,9 @@ import (
 // canonicalDump is the fake's table as the property test compares it:
 // slot assignments depend on the history of syncs (an endpoint keeps its
 // slot), so each destination's endpoint slots are written as the sorted
-// list of its endpoints, and the dispatch comments' slot hash and
+// list of its endpoints, and the endpoint-slots comments' slot hash and
 // assignment and sync-state's digest are left out. What they must say is
-// checked against the table instead: each dispatch element's hash,
+// checked against the table instead: each endpoint-slots element's hash,
 // counts and assignment against its slots, the digest against every
 // element; a mismatch is a line of the dump ("inconsistent: ..."), which a
 // fully synced table never has.
@@ -39,6 +39,9 @@ func canonicalDump(fake *knftables.Fake) string {
 	slots := map[slotKey]map[int]netip.AddrPort{}
 	var digest uint64
 	var stateComment string
+	// shapes are the dispatch elements' shape chains, by destination: the
+	// maps come before the sets.
+	shapes := map[destKey]string{}
 	each := func(set string, es []*knftables.Element) {
 		for _, ke := range es {
 			e := elem{set: set, key: ke.Key, value: ke.Value}
@@ -71,11 +74,19 @@ func canonicalDump(fake *knftables.Fake) string {
 				}
 				slots[k][slot] = ep
 			case set == mapServiceIPs || set == mapServiceNodePorts:
-				hash, counts, perm, ok := parseDispatchComment(e.comment)
-				if !ok {
-					bad = append(bad, "inconsistent: dispatch comment "+e.id()+" "+e.comment)
-				}
 				dk, _ := parseDispatchKey(set == mapServiceNodePorts, e.key)
+				shapes[dk] = strings.TrimPrefix(e.value[0], "goto ")
+				elems = append(elems, "element "+e.id()+" "+e.val())
+			case set == setEndpointSlots || set == setNodePortEndpointSlots:
+				hash, counts, perm, ok := parseSlotsComment(e.comment)
+				if !ok {
+					bad = append(bad, "inconsistent: endpoint-slots comment "+e.id()+" "+e.comment)
+				}
+				dk, _ := parseDispatchKey(set == setNodePortEndpointSlots, e.key)
+				shape, ok := shapes[dk]
+				if !ok {
+					bad = append(bad, "inconsistent: endpoint-slots element without a dispatch element "+e.id())
+				}
 				var dr destRender
 				dr.key = dk
 				for li, base := range []int{0, localSlotBase} {
@@ -88,7 +99,7 @@ func canonicalDump(fake *knftables.Fake) string {
 						dr.eps[li] = append(dr.eps[li], ep)
 					}
 				}
-				h, _ := dr.hashEndpoints(strings.TrimPrefix(e.value[0], "goto "))
+				h, _ := dr.hashEndpoints(shape)
 				if h != hash {
 					bad = append(bad, fmt.Sprintf("inconsistent: %s hash %s, its slots hash to %s", dk, hash, h))
 				}
@@ -111,8 +122,8 @@ func canonicalDump(fake *knftables.Fake) string {
 			}
 		}
 	}
-	// The endpoints maps first: the dispatch elements are checked
-	// against them.
+	// The endpoints maps first, then the other maps: the endpoint-slots
+	// elements are checked against both.
 	isEndpoints := func(name string) bool {
 		return strings.HasPrefix(name, mapEndpointsPrefix) || strings.HasPrefix(name, mapNodePortEndpointsPrefix)
 	}

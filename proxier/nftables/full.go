@@ -300,7 +300,7 @@ func (f *fullSync) plan(next *tableState) *plan {
 	}
 	diffElems(kernelSmall, wantSmall, &p.deletes, &p.adds)
 
-	// Endpoints maps: by destination, trusting the dispatch comments.
+	// Endpoints maps: by destination, trusting the endpoint-slots comments.
 	for _, sd := range sets {
 		if sd.big && (rebuild || !k.sets[sd.name]) {
 			p.adds = append(p.adds, sd.canary)

@@ -50,6 +50,17 @@ const (
 	setHairpin             = "hairpin-endpoints"
 	setHealthCheck         = "health-check-nodeports"
 	setNodePortIPs         = "nodeport-ips"
+	// setEndpointSlots and setNodePortEndpointSlots hold one element per
+	// destination that delivers, keyed as its dispatch element, whose
+	// comment records its endpoint slots (slotsComment): a full sync
+	// learns what the endpoints maps hold from them without listing those.
+	// They are plain sets, so that a change of a destination's endpoints
+	// (a new comment here, new slots there) adds no verdict element: a
+	// transaction that adds a jump or goto makes the kernel validate every
+	// chain the table's verdict maps lead to (1.5 ms of nft's CPU at
+	// 10,000 Services, against 0.4 ms without).
+	setEndpointSlots         = "endpoint-slots"
+	setNodePortEndpointSlots = "nodeport-endpoint-slots"
 	// setSyncState holds only its canary, whose comment says which layout
 	// the table has and the digest of its elements (stateCanary).
 	setSyncState = "sync-state"
@@ -73,7 +84,7 @@ const (
 	// layoutVersion changes whenever the rules written for the same
 	// layout change, so that a new kproxy rewrites the chains an older
 	// one left.
-	layoutVersion = "1"
+	layoutVersion = "2"
 )
 
 // protocols are the transport protocols of service ports, lower case as nft
@@ -257,7 +268,7 @@ type setDef struct {
 	// given a canary.
 	dynamic bool
 	// big maps (the endpoints) are never listed: a full sync learns what
-	// they hold from the dispatch elements' comments.
+	// they hold from the endpoint-slots elements' comments.
 	big bool
 	// canary is the element that must always be there.
 	canary elem
@@ -303,6 +314,8 @@ func (l *layout) makeSets() []*setDef {
 		{name: setHairpin, typ: at + " . " + at, canary: setCanary(setHairpin, zero, zero)},
 		{name: setHealthCheck, typ: "inet_service", canary: setCanary(setHealthCheck, "0")},
 		{name: setNodePortIPs, typ: at, canary: setCanary(setNodePortIPs, zero)},
+		{name: setEndpointSlots, typ: destType, canary: setCanary(setEndpointSlots, zero, "tcp", "0")},
+		{name: setNodePortEndpointSlots, typ: "inet_proto . inet_service", canary: setCanary(setNodePortEndpointSlots, "tcp", "0")},
 		{name: setSyncState, typ: "inet_service", canary: setCanary(setSyncState, "0")},
 	}
 	for _, p := range protocols {

@@ -75,6 +75,15 @@ func (k destKey) dispatchMap() string {
 	return mapServiceIPs
 }
 
+// slotsSet is the set whose element for the destination records its
+// endpoint slots (slotsComment).
+func (k destKey) slotsSet() string {
+	if k.nodePort {
+		return setNodePortEndpointSlots
+	}
+	return setEndpointSlots
+}
+
 func (k destKey) noEndpointMap() string {
 	if k.nodePort {
 		return mapNoEndpointNodePorts
@@ -100,12 +109,13 @@ type destRender struct {
 	key   destKey
 	owner proxy.ServicePortName
 	// small are the elements of the maps a full sync lists: the dispatch
-	// element (service-ips, service-nodeports), the no-endpoint verdict and
+	// element (service-ips, service-nodeports) and, right after it, the
+	// destination's endpoint-slots element, the no-endpoint verdict and
 	// the source ranges.
 	small []elem
 	// eps are the endpoints of the cluster and local slots: the elements
 	// of the endpoints maps (bigElems), which a full sync never lists (the
-	// dispatch element's comment carries their hash and counts). They are
+	// endpoint-slots element's comment carries their hash and counts). They are
 	// kept this small because every service's render stays in memory.
 	eps  [2][]netip.AddrPort
 	hash string
@@ -191,7 +201,7 @@ func (dr *destRender) endpointText(buf []byte, set string, slot int, ep netip.Ad
 }
 
 // hashEndpoints returns the hash of the shape chain's name and the
-// endpoint slots (as the dispatch comment carries it) and the slots' share
+// endpoint slots (as the endpoint-slots comment carries it) and the slots' share
 // of the digest.
 func (dr *destRender) hashEndpoints(shape string) (string, uint64) {
 	h := fnvAdd(fnvAdd(fnvOffset, shape), "\n")
@@ -330,11 +340,12 @@ type renderedService struct {
 	healthCheck int
 }
 
-// dispatchComment is the comment of a destination's dispatch element: the
-// hash of its endpoint slots, the cluster and local slot counts, the slot
+// slotsComment is the comment of a destination's endpoint-slots element
+// (setEndpointSlots; the dispatch element's in layout 1): the hash of its
+// endpoint slots, the cluster and local slot counts, the slot
 // assignment (permToken, when not in address order and short enough), the
 // service port.
-func dispatchComment(hash string, counts [2]int, perm string, name proxy.ServicePortName) string {
+func slotsComment(hash string, counts [2]int, perm string, name proxy.ServicePortName) string {
 	c := fmt.Sprintf("%s %d %d", hash, counts[0], counts[1])
 	if perm != "" && len(c)+1+len(perm) <= 128 {
 		c += " " + perm
@@ -346,9 +357,9 @@ func dispatchComment(hash string, counts [2]int, perm string, name proxy.Service
 	return c
 }
 
-// parseDispatchComment reads dispatchComment's hash, counts and slot
+// parseSlotsComment reads slotsComment's hash, counts and slot
 // assignment ("" for address order).
-func parseDispatchComment(c string) (hash string, counts [2]int, perm string, ok bool) {
+func parseSlotsComment(c string) (hash string, counts [2]int, perm string, ok bool) {
 	f := strings.Fields(c)
 	if len(f) < 3 || len(f[0]) != 16 {
 		return "", counts, "", false
@@ -537,8 +548,12 @@ func (l *layout) renderDest(st *proxy.ServiceState, kind proxy.DestinationKind, 
 			dr.eps[i] = slotOrder(was, st.Endpoints(sel))
 		}
 		dr.hash, dr.bigDigest = dr.hashEndpoints(shape.name())
-		dr.small = append(dr.small, elem{set: key.dispatchMap(), key: key.dispatchKey(),
-			value: []string{"goto " + shape.name()}, comment: dispatchComment(dr.hash, dr.counts(), permToken(dr.eps), st.Name)})
+		// The dispatch element changes only with the shape (the endpoint
+		// counts among it); the slots element with any endpoint.
+		dk := key.dispatchKey()
+		dr.small = append(dr.small,
+			elem{set: key.dispatchMap(), key: dk, value: []string{"goto " + shape.name()}, comment: shortComment(st.Name)},
+			elem{set: key.slotsSet(), key: dk, comment: slotsComment(dr.hash, dr.counts(), permToken(dr.eps), st.Name)})
 	}
 	if v := filterVerdict(d, kind); v != "" {
 		dr.small = append(dr.small, elem{set: key.noEndpointMap(), key: key.dispatchKey(), value: []string{v}, comment: noEndpointComment(v, kind, st.Name)})
@@ -587,12 +602,13 @@ func fnvAdd[T string | []byte](h uint64, s T) uint64 {
 // another order) and returns the change of its digest.
 func (dr *destRender) reorder(eps [2][]netip.AddrPort) uint64 {
 	old := dr.digest
-	d := &dr.small[0] // the dispatch element: eps is not empty
-	_, counts, _, _ := parseDispatchComment(d.comment)
-	shape := strings.TrimPrefix(d.value[0], "goto ")
+	// The dispatch and endpoint-slots elements: eps is not empty.
+	shape := strings.TrimPrefix(dr.small[0].value[0], "goto ")
+	s := &dr.small[1]
+	_, counts, _, _ := parseSlotsComment(s.comment)
 	dr.eps = eps
 	dr.hash, dr.bigDigest = dr.hashEndpoints(shape)
-	d.comment = dispatchComment(dr.hash, counts, permToken(eps), dr.owner)
+	s.comment = slotsComment(dr.hash, counts, permToken(eps), dr.owner)
 	dr.computeDigest()
 	return old ^ dr.digest
 }

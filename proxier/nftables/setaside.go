@@ -107,11 +107,11 @@ func chainRef(name string) opRef {
 // elemRef is what an element belongs to, read from its map or set and key.
 func elemRef(e *elem) opRef {
 	switch {
-	case e.set == mapServiceIPs || e.set == mapNoEndpointServices || e.set == setFirewallIPs || e.set == setFirewallAllow:
+	case e.set == mapServiceIPs || e.set == mapNoEndpointServices || e.set == setEndpointSlots || e.set == setFirewallIPs || e.set == setFirewallAllow:
 		if dk, ok := parseDispatchKey(false, e.key[:min(3, len(e.key))]); ok {
 			return opRef{kind: refDest, dest: dk}
 		}
-	case e.set == mapServiceNodePorts || e.set == mapNoEndpointNodePorts:
+	case e.set == mapServiceNodePorts || e.set == mapNoEndpointNodePorts || e.set == setNodePortEndpointSlots:
 		if dk, ok := parseDispatchKey(true, e.key); ok {
 			return opRef{kind: refDest, dest: dk}
 		}
@@ -405,7 +405,7 @@ func setAsideError(err error) error {
 // keeps the elements the table has for it: its destinations are those
 // whose dispatch or no-endpoint element names it (their comment), their
 // elements are those listed (readKernel), their endpoint slots the last
-// state's (checked against the hash the dispatch comment records) or,
+// state's (checked against the hash the endpoint-slots comment records) or,
 // failing that, those the endpoints map lists.
 
 // commentOwner is the service port name a dispatch or no-endpoint comment
@@ -569,8 +569,15 @@ func (l *layout) adoptDest(name proxy.ServicePortName, dk destKey, elems []elem,
 	}
 	dr.small[0], dr.small[i] = dr.small[i], dr.small[0]
 	d := dr.small[0]
-	hash, counts, _, ok := parseDispatchComment(d.comment)
-	if !ok || len(d.value) != 1 {
+	// Then its endpoint-slots element (reorder reads it there), whose
+	// comment says what the endpoints maps hold.
+	j := slices.IndexFunc(dr.small, func(e elem) bool { return e.set == dk.slotsSet() })
+	if j < 0 || len(d.value) != 1 {
+		return nil
+	}
+	dr.small[1], dr.small[j] = dr.small[j], dr.small[1]
+	hash, counts, _, ok := parseSlotsComment(dr.small[1].comment)
+	if !ok {
 		return nil
 	}
 	shape := strings.TrimPrefix(d.value[0], "goto ")

@@ -21,7 +21,7 @@ import (
 //
 // Without an earlier assignment (the first render of a destination, or a
 // new process) the slots follow the endpoints' address order, whatever
-// order the model lists them in. The dispatch element's comment carries the
+// order the model lists them in. The endpoint-slots element's comment carries the
 // assignment as a permutation of that order (permToken), so a new process
 // over the table recovers it without listing the endpoints maps.
 

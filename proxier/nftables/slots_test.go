@@ -94,8 +94,8 @@ func TestPermToken(t *testing.T) {
 			if applyPerm(tok, [2][]netip.AddrPort{sorted[0][1:], sorted[1]}) != nil {
 				t.Errorf("token %q applies to a shorter list", tok)
 			}
-			c := dispatchComment(strings.Repeat("0", 16), [2]int{len(tc.eps[0]), len(tc.eps[1])}, tok, proxy.ServicePortName{})
-			if _, _, perm, ok := parseDispatchComment(c); !ok || perm != tok {
+			c := slotsComment(strings.Repeat("0", 16), [2]int{len(tc.eps[0]), len(tc.eps[1])}, tok, proxy.ServicePortName{})
+			if _, _, perm, ok := parseSlotsComment(c); !ok || perm != tok {
 				t.Errorf("comment %q reads back as %q", c, perm)
 			}
 		})

@@ -89,7 +89,7 @@ func (s *tableState) slotsOnly() slotsOf {
 
 // adoptSlots gives the destinations that the table holds with the same
 // endpoints in another order (a table written by another process, whose
-// dispatch comments record the order) that order, so that nothing is
+// endpoint-slots comments record the order) that order, so that nothing is
 // rewritten and clients keep their slots.
 func (s *tableState) adoptSlots(kernel map[destKey]destInfo) {
 	for k, ki := range kernel {

@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -128,10 +130,13 @@ func TestPartialSyncs(t *testing.T) {
 		// every element operation must name one of mentions.
 		wantOps  int
 		mentions []string
-		flows    []pt.Flow
+		// noVerdict: the sync must not touch a verdict map (an added jump
+		// or goto makes the kernel validate the whole table).
+		noVerdict bool
+		flows     []pt.Flow
 	}{
 		{
-			name: "endpoint added: the dispatch element's comment and one slot per key kind",
+			name: "endpoint added: the dispatch and endpoint-slots elements and one slot per key kind",
 			change: func(h *harness) {
 				_, sl := svcN(3)
 				sl.Endpoints = append(sl.Endpoints, pt.Slice("x", 8080, pt.EP{IP: "10.244.9.9", Node: "node-c"}).Endpoints...)
@@ -139,23 +144,25 @@ func TestPartialSyncs(t *testing.T) {
 			},
 			// New shape and pick chains for two endpoints (ClusterIP and
 			// node port: 4 chains, each added and flushed, 5 rules), the
-			// dispatch elements replaced (2 x delete+add), a new slot
-			// each (2). The one-endpoint chains stay: other services use
-			// them.
-			wantOps:  4*2 + 5 + 2*2 + 2 + stateOps,
+			// dispatch elements replaced for the new shape (2 x
+			// delete+add), the endpoint-slots elements too (2 x
+			// delete+add), a new slot each (2). The one-endpoint chains
+			// stay: other services use them.
+			wantOps:  4*2 + 5 + 2*2 + 2*2 + 2 + stateOps,
 			mentions: []string{"10.96.0.4", "30003"},
 			flows: []pt.Flow{{Name: "both", Source: "10.244.1.9", Dest: "10.96.0.4", Port: 80, Want: pt.Delivered,
 				WantEndpoints: []string{"10.244.2.4:8080", "10.244.9.9:8080"}}},
 		},
 		{
-			name: "endpoint replaced: one slot per key kind and the dispatch comments",
+			name: "endpoint replaced: one slot and the endpoint-slots element per key kind, no verdict element",
 			change: func(h *harness) {
 				_, sl := svcN(5)
 				sl.Endpoints[0].Addresses = []string{"10.244.7.7"}
 				h.engine.OnEndpointSliceUpdate(nil, sl)
 			},
-			wantOps:  2*2 + 2*2 + stateOps,
-			mentions: []string{"10.96.0.6", "30005"},
+			wantOps:   2*2 + 2*2 + stateOps,
+			mentions:  []string{"10.96.0.6", "30005"},
+			noVerdict: true,
 			flows: []pt.Flow{{Name: "new endpoint", Source: "10.244.1.9", Dest: "10.96.0.6", Port: 80, Want: pt.Delivered,
 				WantEndpoints: []string{"10.244.7.7:8080"}}},
 		},
@@ -165,7 +172,9 @@ func TestPartialSyncs(t *testing.T) {
 				_, sl := svcN(5)
 				h.engine.OnEndpointSliceDelete(sl)
 			},
-			wantOps:  2 + 2 + 2 + stateOps,
+			// Per key kind: the dispatch, endpoint-slots and slot elements
+			// deleted, the no-endpoint element added.
+			wantOps:  2*(1+1+1+1) + stateOps,
 			mentions: []string{"10.96.0.6", "30005"},
 			flows:    []pt.Flow{{Name: "reject", Source: "10.244.1.9", Dest: "10.96.0.6", Port: 80, Want: pt.Rejected}},
 		},
@@ -176,7 +185,9 @@ func TestPartialSyncs(t *testing.T) {
 				h.engine.OnServiceAdd(s)
 				h.engine.OnEndpointSliceAdd(sl)
 			},
-			wantOps:  2 + 2 + stateOps,
+			// Per key kind: the dispatch, endpoint-slots and slot
+			// elements.
+			wantOps:  2*3 + stateOps,
 			mentions: []string{"10.96.2.101", "30600"},
 			flows: []pt.Flow{{Name: "new", Source: "10.244.1.9", Dest: "10.96.2.101", Port: 80, Want: pt.Delivered,
 				WantEndpoints: []string{"10.244.4.101:8080"}}},
@@ -218,6 +229,11 @@ func TestPartialSyncs(t *testing.T) {
 				if !ok {
 					t.Errorf("partial sync touched another service: %s", l)
 				}
+				for _, m := range []string{mapServiceIPs, mapServiceNodePorts, mapNoEndpointServices, mapNoEndpointNodePorts} {
+					if tc.noVerdict && strings.Contains(l, " "+m+" ") {
+						t.Errorf("partial sync touched a verdict map: %s", l)
+					}
+				}
 			}
 			h.flows(tc.flows...)
 		})
@@ -248,7 +264,7 @@ func TestRestartOverExistingTable(t *testing.T) {
 				h.engine.OnEndpointSliceUpdate(nil, sl)
 			},
 			// Per destination: the old slot deleted, the new one added,
-			// the dispatch element replaced.
+			// the endpoint-slots element replaced.
 			wantOps:  2*(2+2) + stateOps,
 			mentions: []string{"10.96.0.8", "30007"},
 			flows: []pt.Flow{{Name: "changed", Source: "10.244.1.9", Dest: "10.96.0.8", Port: 80, Want: pt.Delivered,
@@ -261,7 +277,9 @@ func TestRestartOverExistingTable(t *testing.T) {
 				h.engine.OnServiceDelete(s)
 				h.engine.OnEndpointSliceDelete(sl)
 			},
-			wantOps:  2*2 + stateOps,
+			// Per destination: the dispatch, endpoint-slots and slot
+			// elements.
+			wantOps:  2*3 + stateOps,
 			mentions: []string{"10.96.0.5", "30004"},
 			flows:    []pt.Flow{{Name: "deleted", Source: "10.244.1.9", Dest: "10.96.0.5", Port: 80, Want: pt.NotHandled}},
 		},
@@ -671,6 +689,11 @@ func replaceOps(m, key string) []string {
 // 10.96.9.1:80, node port 31000).
 var bigDispatch = append(replaceOps(mapServiceIPs, "10.96.9.1 . tcp . 80"), replaceOps(mapServiceNodePorts, "tcp . 31000")...)
 
+// bigSlotsElems are the replaced endpoint-slots elements of "big": every
+// change of its endpoints replaces them; the dispatch elements only when
+// the count (and so the shape) changes.
+var bigSlotsElems = append(replaceOps(setEndpointSlots, "10.96.9.1 . tcp . 80"), replaceOps(setNodePortEndpointSlots, "tcp . 31000")...)
+
 // bigSlots are element operations on both endpoint slots of "big" of op.
 func bigSlots(op string, slots ...int) []string {
 	var out []string
@@ -712,6 +735,89 @@ func freshDump(t *testing.T, setup func(h *harness)) string {
 	return canonicalDump(fresh.fake)
 }
 
+// layoutOneDump turns a dump of this kproxy's table into the table an
+// earlier kproxy (layout 1) left: no endpoint-slots sets, each dispatch
+// element's comment recording its endpoint slots instead, and another
+// layout hash in sync-state.
+func layoutOneDump(t *testing.T, dump string) string {
+	t.Helper()
+	slotsRe := regexp.MustCompile(`^add element ip kproxy (nodeport-)?endpoint-slots \{ (.*) comment "(.*)" \}$`)
+	dispatchRe := regexp.MustCompile(`^(add element ip kproxy service-(ips|nodeports) \{ (.*) comment )"[^"]*"( : goto .*)$`)
+	comments := map[string]string{}
+	var lines []string
+	for _, l := range strings.Split(dump, "\n") {
+		if m := slotsRe.FindStringSubmatch(l); m != nil {
+			if m[3] != canaryComment {
+				comments[m[2]] = m[3]
+			}
+			continue
+		}
+		if strings.HasPrefix(l, "add set ip kproxy endpoint-slots ") || strings.HasPrefix(l, "add set ip kproxy nodeport-endpoint-slots ") {
+			continue
+		}
+		lines = append(lines, l)
+	}
+	n := 0
+	for i, l := range lines {
+		if m := dispatchRe.FindStringSubmatch(l); m != nil {
+			c, ok := comments[m[3]]
+			if !ok {
+				t.Fatalf("no endpoint-slots element for %s", l)
+			}
+			lines[i] = m[1] + strconv.Quote(c) + m[4]
+			n++
+		}
+		lines[i] = regexp.MustCompile(`layout=[0-9a-f]+`).ReplaceAllString(lines[i], "layout=0123456789abcdef")
+	}
+	if n == 0 || n != len(comments) {
+		t.Fatalf("%d dispatch elements for %d endpoint-slots elements", n, len(comments))
+	}
+	return strings.Join(lines, "\n")
+}
+
+// TestRestartOverLayoutOneTable: a kproxy over the table an earlier one
+// left, whose dispatch elements carried the endpoint slots' comments,
+// reconciles it in one transaction (its chains rewritten) without touching
+// a single endpoint slot, and leaves the table a fresh process writes.
+func TestRestartOverLayoutOneTable(t *testing.T) {
+	first := newSlotHarness(t)
+	churn(first) // slots out of address order: the recorded assignment matters
+	assigned := slotLines(first.fake)
+	fake := knftables.NewFake(knftables.IPv4Family, TableName)
+	if err := fake.ParseDump(layoutOneDump(t, first.fake.Dump())); err != nil {
+		t.Fatal(err)
+	}
+	second := newHarness(t, fake, Options{})
+	slotObjects(second, append(bigEndpoints(3, 5), "10.244.3.99"))
+	st := second.sync()
+	if st.Mode != modeReconcile {
+		t.Fatalf("first sync after the upgrade was %s, want %s", st.Mode, modeReconcile)
+	}
+	// The chains are rewritten (another layout), in the same transaction;
+	// no map or set is flushed, and no endpoint slot is written.
+	for _, l := range txLines(second.lastTx()) {
+		f := strings.Fields(l)
+		if strings.HasPrefix(l, "flush map ") || strings.HasPrefix(l, "flush set ") ||
+			(len(f) > 4 && f[1] == "element" && (strings.HasPrefix(f[4], mapEndpointsPrefix) || strings.HasPrefix(f[4], mapNodePortEndpointsPrefix))) {
+			t.Errorf("the upgrade sync flushed or rewrote a slot: %s", l)
+		}
+	}
+	if got := slotLines(second.fake); got != assigned {
+		t.Errorf("slots changed:\n%s", diff(got, assigned))
+	}
+	want := freshDump(t, func(f *harness) { slotObjects(f, append(bigEndpoints(3, 5), "10.244.3.99")) })
+	if got := canonicalDump(second.fake); got != want {
+		t.Errorf("table differs from a fresh one's (slots aside):\n%s", diff(got, want))
+	}
+	second.flows(pt.Flow{Name: "big", Source: "10.244.1.9", Dest: "10.96.9.1", Port: 80, Want: pt.Delivered,
+		WantEndpoints: func() (out []string) {
+			for _, ip := range append(bigEndpoints(3, 5), "10.244.3.99") {
+				out = append(out, ip+":8080")
+			}
+			return out
+		}()})
+}
+
 // TestStableSlots: an endpoint keeps its slot while it stays, so a change
 // writes only the slots it touches (docs/design.md, "nftables backend").
 func TestStableSlots(t *testing.T) {
@@ -725,36 +831,36 @@ func TestStableSlots(t *testing.T) {
 		wantEps    []string // the endpoints of big's ClusterIP after it
 	}{
 		{
-			name:      "endpoint replaced: one slot per destination and the dispatch comments",
+			name:      "endpoint replaced: one slot and the endpoint-slots element per destination",
 			change:    func(h *harness) { slotService(h, append(bigEndpoints(4), "10.244.3.99")) },
-			wantElems: cat(bigSlots("add", 3), bigSlots("delete", 3), bigDispatch),
+			wantElems: cat(bigSlots("add", 3), bigSlots("delete", 3), bigSlotsElems),
 			wantEps:   append(bigEndpoints(4), "10.244.3.99"),
 		},
 		{
 			name:       "endpoint removed: the last slot's endpoint moves into its slot",
 			change:     func(h *harness) { slotService(h, bigEndpoints(4)) },
-			wantElems:  cat(bigSlots("add", 3), bigSlots("delete", 3, 9), bigDispatch),
+			wantElems:  cat(bigSlots("add", 3), bigSlots("delete", 3, 9), bigDispatch, bigSlotsElems),
 			wantChains: true,
 			wantEps:    bigEndpoints(4),
 		},
 		{
 			name:       "last slot's endpoint removed: one slot deleted",
 			change:     func(h *harness) { slotService(h, bigEndpoints(10)) },
-			wantElems:  cat(bigSlots("delete", 9), bigDispatch),
+			wantElems:  cat(bigSlots("delete", 9), bigDispatch, bigSlotsElems),
 			wantChains: true,
 			wantEps:    bigEndpoints(10),
 		},
 		{
 			name:       "endpoint added: slot n",
 			change:     func(h *harness) { slotService(h, append(bigEndpoints(), "10.244.3.11")) },
-			wantElems:  cat(bigSlots("add", 10), bigDispatch),
+			wantElems:  cat(bigSlots("add", 10), bigDispatch, bigSlotsElems),
 			wantChains: true,
 			wantEps:    append(bigEndpoints(), "10.244.3.11"),
 		},
 		{
 			name:      "one replaced and one removed: the new one fills the lower slot, the last moves into the other",
 			change:    func(h *harness) { slotService(h, append(bigEndpoints(3, 6), "10.244.3.99")) },
-			wantElems: cat(bigSlots("add", 2, 5), bigSlots("delete", 2, 5, 9), bigDispatch),
+			wantElems: cat(bigSlots("add", 2, 5), bigSlots("delete", 2, 5, 9), bigDispatch, bigSlotsElems),
 			// 10 -> 9 endpoints.
 			wantChains: true,
 			wantEps:    append(bigEndpoints(3, 6), "10.244.3.99"),
@@ -762,7 +868,7 @@ func TestStableSlots(t *testing.T) {
 		{
 			name:       "ten to three endpoints: two slots refilled from the end, seven deleted",
 			change:     func(h *harness) { slotService(h, bigEndpoints(2, 3, 4, 5, 7, 8, 9)) },
-			wantElems:  cat(bigSlots("add", 1, 2), bigSlots("delete", 1, 2, 3, 4, 5, 6, 7, 8, 9), bigDispatch),
+			wantElems:  cat(bigSlots("add", 1, 2), bigSlots("delete", 1, 2, 3, 4, 5, 6, 7, 8, 9), bigDispatch, bigSlotsElems),
 			wantChains: true,
 			wantEps:    bigEndpoints(2, 3, 4, 5, 7, 8, 9),
 		},
@@ -788,7 +894,7 @@ func TestStableSlots(t *testing.T) {
 			wantElems: cat([]string{"add hairpin-endpoints 10.244.1.9 . 10.244.1.9", "delete hairpin-endpoints 10.244.1.2 . 10.244.1.2"}, replaceOps(endpointsMap("tcp"), "10.96.9.2 . 80 . 1"),
 				replaceOps(nodePortEndpointsMap("tcp"), "31001 . 1"),
 				replaceOps(nodePortEndpointsMap("tcp"), fmt.Sprintf("31001 . %d", localSlotBase+1)),
-				replaceOps(mapServiceIPs, "10.96.9.2 . tcp . 80"), replaceOps(mapServiceNodePorts, "tcp . 31001")),
+				replaceOps(setEndpointSlots, "10.96.9.2 . tcp . 80"), replaceOps(setNodePortEndpointSlots, "tcp . 31001")),
 			wantEps: bigEndpoints(),
 		},
 	} {
@@ -909,11 +1015,8 @@ func TestSlotsSurviveFullSyncs(t *testing.T) {
 				h.engine.OnEndpointSliceUpdate(nil, sl)
 			},
 			wantMode: modeReconcile, keepsSlots: true,
-			wantElems: []string{
-				"add endpoints-tcp 10.96.0.8 . 80 . 0", "add nodeport-endpoints-tcp 30007 . 0",
-				"add service-ips 10.96.0.8 . tcp . 80", "add service-nodeports tcp . 30007",
-				"delete endpoints-tcp 10.96.0.8 . 80 . 0", "delete nodeport-endpoints-tcp 30007 . 0",
-				"delete service-ips 10.96.0.8 . tcp . 80", "delete service-nodeports tcp . 30007"},
+			wantElems: cat(replaceOps(endpointsMap("tcp"), "10.96.0.8 . 80 . 0"), replaceOps(nodePortEndpointsMap("tcp"), "30007 . 0"),
+				replaceOps(setEndpointSlots, "10.96.0.8 . tcp . 80"), replaceOps(setNodePortEndpointSlots, "tcp . 30007")),
 		},
 		{
 			name: "restart, big changed: only its slots rewritten",
@@ -923,7 +1026,7 @@ func TestSlotsSurviveFullSyncs(t *testing.T) {
 				slotService(h, finalEps)
 			},
 			wantMode:  modeReconcile,
-			wantElems: cat(bigSlots("add", 0, 1, 2, 3, 4, 5, 6, 7), bigSlots("delete", 0, 1, 2, 3, 4, 5, 6, 7, 8), bigDispatch),
+			wantElems: cat(bigSlots("add", 0, 1, 2, 3, 4, 5, 6, 7), bigSlots("delete", 0, 1, 2, 3, 4, 5, 6, 7, 8), bigDispatch, bigSlotsElems),
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -127,6 +127,18 @@ type Result struct {
 	// nft).
 	CPUMsPerChange      float64 `json:"cpu_ms_per_change"`
 	ChildCPUMsPerChange float64 `json:"child_cpu_ms_per_change"`
+	// CPUP50Ms and ChildCPUP50Ms are the medians of the same per-change
+	// figures, and ShareP50 kproxy's share of a change's CPU
+	// (kproxy/(kproxy+child)) at the median change by that share: periodic
+	// work that falls into a few changes' windows (the canary's
+	// nft --check once a sync period, Go's forced collection every two
+	// minutes) moves the means but not these. CPUSamplesMs and
+	// ChildCPUSamplesMs are the per-change figures, in change order.
+	CPUP50Ms          float64   `json:"cpu_p50_ms"`
+	ChildCPUP50Ms     float64   `json:"child_cpu_p50_ms"`
+	ShareP50          float64   `json:"share_p50"`
+	CPUSamplesMs      []float64 `json:"cpu_samples_ms"`
+	ChildCPUSamplesMs []float64 `json:"child_cpu_samples_ms"`
 	// SwitchesPerChange is how many times kproxy's threads were put on a
 	// CPU per change (Usage.Switches; with the /metrics reads when no
 	// commit was seen): the wake-ups a change costs.
@@ -303,8 +315,11 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 		}
 		commits = append(commits, ch.commit)
 		synced = append(synced, ch.synced)
-		cpu += ch.cpu - time.Duration(ch.scrapes)*scrapeCost
+		own := ch.cpu - time.Duration(ch.scrapes)*scrapeCost
+		cpu += own
 		childCPU += ch.childCPU
+		res.CPUSamplesMs = append(res.CPUSamplesMs, ms(own))
+		res.ChildCPUSamplesMs = append(res.ChildCPUSamplesMs, ms(ch.childCPU))
 		switches += ch.switches
 		scrapes += ch.scrapes
 		transactions += ch.transactions
@@ -345,6 +360,8 @@ func Run(ctx context.Context, opts RunOptions) (res Result, err error) {
 	res.CPUMsPerChange = round3(ms(cpu) / k64)
 	res.ChildCPUMsPerChange = round3(ms(childCPU) / k64)
 	res.SwitchesPerChange = round3(float64(switches) / k64)
+	res.CPUP50Ms, res.ChildCPUP50Ms = median(res.CPUSamplesMs), median(res.ChildCPUSamplesMs)
+	res.ShareP50 = shareP50(res.CPUSamplesMs, res.ChildCPUSamplesMs)
 	res.ScrapesPerChange = round3(float64(scrapes) / k64)
 	res.TotalCPUS, res.TotalChildCPUS = u.CPU.Seconds(), u.ChildCPU.Seconds()
 	res.PeakRSSMiB = mib(u.HWM)
@@ -621,8 +638,23 @@ func measureReceiveOnly(ctx context.Context, k *Kproxy, opts RunOptions, res *Re
 
 // median is the middle value of v (the lower of the two middle ones).
 func median(v []float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
 	s := slices.Sorted(slices.Values(v))
 	return s[(len(s)-1)/2]
+}
+
+// shareP50 is kproxy's share of a change's CPU, own/(own+child), at the
+// median change by that share (0 without changes).
+func shareP50(own, child []float64) float64 {
+	var shares []float64
+	for i := range own {
+		if total := own[i] + child[i]; total > 0 {
+			shares = append(shares, own[i]/total)
+		}
+	}
+	return round3(median(shares))
 }
 
 // lastIPv4Commit is the time from t0 to the last commit among evs that

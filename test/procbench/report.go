@@ -60,8 +60,8 @@ func (r Report) Write(path string) error {
 
 // TableHeader is the header of TableLine's table.
 func TableHeader() string {
-	return fmt.Sprintf("%-9s %8s %6s %10s %10s %10s %11s %11s %10s %10s %7s %9s",
-		"mode", "services", "nodes", "first-sync", "change-p50", "change-p90", "cpu/change", "child/chg", "switch/chg", "alloc/chg", "gc/chg", "peak-rss")
+	return fmt.Sprintf("%-9s %8s %6s %10s %10s %10s %11s %11s %11s %11s %9s %10s %10s %7s %9s",
+		"mode", "services", "nodes", "first-sync", "change-p50", "change-p90", "cpu/change", "child/chg", "cpu-p50", "child-p50", "share-p50", "switch/chg", "alloc/chg", "gc/chg", "peak-rss")
 }
 
 // TableLine renders one run under TableHeader.
@@ -69,7 +69,8 @@ func TableLine(r Result) string {
 	if r.Skipped != "" {
 		return fmt.Sprintf("%-9s %8d %6d skipped: %s", r.Mode, r.Services, r.Nodes, r.Skipped)
 	}
-	return fmt.Sprintf("%-9s %8d %6d %8.2f s %7.1f ms %7.1f ms %8.1f ms %8.1f ms %10.1f %6.0f KiB %7.2f %5.0f MiB",
+	return fmt.Sprintf("%-9s %8d %6d %8.2f s %7.1f ms %7.1f ms %8.2f ms %8.2f ms %8.2f ms %8.2f ms %8.1f%% %10.1f %6.0f KiB %7.2f %5.0f MiB",
 		r.Mode, r.Services, r.Nodes, r.FirstSyncS, r.ChangeP50Ms, r.ChangeP90Ms,
-		r.CPUMsPerChange, r.ChildCPUMsPerChange, r.SwitchesPerChange, r.AllocKiBPerChange, r.GCsPerChange, r.PeakRSSMiB)
+		r.CPUMsPerChange, r.ChildCPUMsPerChange, r.CPUP50Ms, r.ChildCPUP50Ms, 100*r.ShareP50,
+		r.SwitchesPerChange, r.AllocKiBPerChange, r.GCsPerChange, r.PeakRSSMiB)
 }

@@ -293,7 +293,7 @@ func TestParseConfig(t *testing.T) {
 
 func TestTableLine(t *testing.T) {
 	r := Result{Mode: "iptables", Services: 10000, Nodes: 5000, FirstSyncS: 12.345, ChangeP50Ms: 401.2, ChangeP90Ms: 455.9,
-		CPUMsPerChange: 120.5, ChildCPUMsPerChange: 210.25, SwitchesPerChange: 151.2, AllocKiBPerChange: 2048.5, GCsPerChange: 0.33, PeakRSSMiB: 301.4}
+		CPUMsPerChange: 120.5, ChildCPUMsPerChange: 210.25, CPUP50Ms: 118.25, ChildCPUP50Ms: 205.5, ShareP50: 0.365, SwitchesPerChange: 151.2, AllocKiBPerChange: 2048.5, GCsPerChange: 0.33, PeakRSSMiB: 301.4}
 	if got, want := len(TableLine(r)), len(TableHeader()); got != want {
 		t.Errorf("line of %d characters under a header of %d:\n%s\n%s", got, want, TableHeader(), TableLine(r))
 	}
@@ -366,10 +366,32 @@ func TestMedian(t *testing.T) {
 		{name: "one", v: []float64{3}, want: 3},
 		{name: "odd", v: []float64{9, 1, 5}, want: 5},
 		{name: "even takes the lower middle", v: []float64{4, 1, 3, 2}, want: 2},
+		{name: "none", v: nil, want: 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if got := median(tc.v); got != tc.want {
 				t.Errorf("median(%v) = %v, want %v", tc.v, got, tc.want)
+			}
+		})
+	}
+}
+
+func TestShareP50(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		own, child []float64
+		want       float64
+	}{
+		{name: "none", want: 0},
+		{name: "one change", own: []float64{1}, child: []float64{3}, want: 0.25},
+		// The median change by share, not the share of the medians: a
+		// canary in one window moves neither.
+		{name: "an outlier moves nothing", own: []float64{1, 1, 5}, child: []float64{9, 4, 45}, want: 0.1},
+		{name: "a change with no CPU is left out", own: []float64{0, 1}, child: []float64{0, 1}, want: 0.5},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := shareP50(tc.own, tc.child); got != tc.want {
+				t.Errorf("shareP50(%v, %v) = %v, want %v", tc.own, tc.child, got, tc.want)
 			}
 		})
 	}
