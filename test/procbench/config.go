@@ -21,6 +21,8 @@ const (
 	EnvState    = "KPROXY_PROCBENCH_STATE"
 	// EnvProfileDir: where to save kproxy's heap profiles (unset: none).
 	EnvProfileDir = "KPROXY_PROCBENCH_PROFILE_DIR"
+	// EnvFloor: "0" leaves out the floor program's runs (floor.go).
+	EnvFloor = "KPROXY_PROCBENCH_FLOOR"
 )
 
 // Config is what the environment asks of the benchmark.
@@ -44,6 +46,9 @@ type Config struct {
 	// ProfileDir, when set, receives kproxy's heap profiles after its
 	// first sync and after the changes of each run.
 	ProfileDir string
+	// Floor runs the floor program (floor.go) after kproxy at each size
+	// with the measured node alone, when nftables is among the modes.
+	Floor bool
 }
 
 // Step is a set of objects the modes run against.
@@ -70,7 +75,7 @@ func ParseConfig(getenv func(string) string) (Config, error) {
 	c := Config{
 		Nodes: 5000, Modes: []string{"iptables", "nftables"}, Changes: DefaultChanges,
 		Out: getenv(EnvOut), Kproxy: getenv(EnvKproxy), StateDir: getenv(EnvState),
-		ProfileDir: getenv(EnvProfileDir),
+		ProfileDir: getenv(EnvProfileDir), Floor: strings.TrimSpace(getenv(EnvFloor)) != "0",
 	}
 	if c.StateDir == "" {
 		c.StateDir = "/run/kpc-procbench"
@@ -100,6 +105,7 @@ func ParseConfig(getenv func(string) string) (Config, error) {
 	if v := strings.Fields(getenv(EnvModes)); len(v) > 0 {
 		c.Modes = slices.Compact(v)
 	}
+	c.Floor = c.Floor && slices.Contains(c.Modes, "nftables")
 	if v := strings.TrimSpace(getenv(EnvChanges)); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 1 {

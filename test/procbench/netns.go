@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/kproxy/kproxy/pkg/netnstest"
 	"github.com/kproxy/kproxy/test/cluster"
@@ -39,6 +40,18 @@ func createNodeNetNS(ctx context.Context) (*netnstest.NS, func() error, error) {
 	}
 	if err := remove(); err != nil {
 		return nil, nil, fmt.Errorf("removing a leftover %s: %w", NodeNetNS, err)
+	}
+	// The kernel frees a deleted namespace, and with it the switch's end
+	// of its veth pair, asynchronously: a namespace made right after
+	// another's deletion may find the port still there.
+	for deadline := time.Now().Add(5 * time.Second); run(ctx, "ip", "-n", cluster.SwitchNetNS, "link", "show", switchPort) == nil; {
+		if time.Now().After(deadline) {
+			if err := run(ctx, "ip", "-n", cluster.SwitchNetNS, "link", "delete", switchPort); err != nil {
+				return nil, nil, fmt.Errorf("removing the leftover switch port %s: %w", switchPort, err)
+			}
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 	plan := [][]string{
 		{"ip", "netns", "add", NodeNetNS},

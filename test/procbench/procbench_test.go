@@ -121,6 +121,13 @@ func TestProcessBenchmark(t *testing.T) {
 		say("ipvs: not measured: %s", why)
 	}
 	var results []Result
+	var floors []FloorResult
+	floorBinary := ""
+	if cfg.Floor {
+		if floorBinary, err = BuildFloor(ctx, t.TempDir()); err != nil {
+			t.Fatal(err)
+		}
+	}
 	report := func() {
 		if len(results) == 0 {
 			return
@@ -129,7 +136,12 @@ func TestProcessBenchmark(t *testing.T) {
 		for _, r := range results {
 			fmt.Println("procbench: " + TableLine(r))
 		}
-		if err := NewReport(results, notes).Write(cfg.Out); err != nil {
+		for _, f := range floors {
+			fmt.Println("procbench: " + FloorLine(f, nftablesResult(results, f.Services)))
+		}
+		rep := NewReport(results, notes)
+		rep.Floors = floors
+		if err := rep.Write(cfg.Out); err != nil {
 			t.Error(err)
 			return
 		}
@@ -183,7 +195,34 @@ func TestProcessBenchmark(t *testing.T) {
 					mode, res.Services, res.ReceiveOnlyCPUMs, res.ReceiveOnlySwitches, res.IdleWindowCPUMs, res.IdleWindowSwitches, res.ReceiveOnlyEvents)
 			}
 		}
+		if floorBinary != "" && step.Nodes <= 1 {
+			say("floor: %d Services: starting the floor program", objs.Services())
+			f, err := RunFloor(ctx, FloorOptions{
+				Binary: floorBinary, Kubeconfig: kubeconfig, Objects: objs, Changes: cfg.Changes,
+				Log: filepath.Join(logDir, fmt.Sprintf("floor-%d.log", objs.Services())),
+			})
+			if err != nil {
+				if ctx.Err() != nil {
+					t.Fatalf("floor run: %v (%v)", err, context.Cause(ctx))
+				}
+				t.Errorf("floor run with %d Services: %v", objs.Services(), err)
+				continue
+			}
+			floors = append(floors, f)
+			say("%s", FloorLine(f, nftablesResult(results, f.Services)))
+		}
 	}
+}
+
+// nftablesResult is the last nftables-mode result at that many Services
+// with the measured node alone (nil: none).
+func nftablesResult(results []Result, services int) *Result {
+	for i := len(results) - 1; i >= 0; i-- {
+		if r := &results[i]; r.Mode == "nftables" && r.Services == services && r.Nodes <= 1 && r.Skipped == "" {
+			return r
+		}
+	}
+	return nil
 }
 
 // benchRun is one kproxy run of a step: a mode and a program.

@@ -16,6 +16,8 @@ type Report struct {
 	Host      map[string]string `json:"host"`
 	Method    map[string]string `json:"method"`
 	Runs      []Result          `json:"runs"`
+	// Floors are the floor program's runs (floor.go).
+	Floors []FloorResult `json:"floors,omitempty"`
 }
 
 // NewReport returns a report of runs with the host's description and the

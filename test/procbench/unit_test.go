@@ -246,15 +246,17 @@ func TestParseConfig(t *testing.T) {
 		env     map[string]string
 		want    []Step
 		modes   []string
+		floor   bool
 		wantErr bool
 	}{
 		{
 			name:  "defaults",
 			want:  []Step{{1000, 1}, {10000, 1}, {10000, 5000}},
 			modes: []string{"iptables", "nftables"},
+			floor: true,
 		},
 		{
-			name:  "one size, no nodes, one mode",
+			name:  "one size, no nodes, one mode: no floor without nftables",
 			env:   map[string]string{EnvServices: "1000", EnvNodes: "0", EnvModes: "iptables"},
 			want:  []Step{{1000, 1}},
 			modes: []string{"iptables"},
@@ -263,6 +265,13 @@ func TestParseConfig(t *testing.T) {
 			name:  "sizes sorted and deduplicated",
 			env:   map[string]string{EnvServices: "500 100 500", EnvNodes: "200"},
 			want:  []Step{{100, 1}, {500, 1}, {500, 200}},
+			modes: []string{"iptables", "nftables"},
+			floor: true,
+		},
+		{
+			name:  "floor left out",
+			env:   map[string]string{EnvFloor: "0"},
+			want:  []Step{{1000, 1}, {10000, 1}, {10000, 5000}},
 			modes: []string{"iptables", "nftables"},
 		},
 		{name: "bad size", env: map[string]string{EnvServices: "ten"}, wantErr: true},
@@ -286,6 +295,29 @@ func TestParseConfig(t *testing.T) {
 			}
 			if !slices.Equal(c.Modes, tc.modes) {
 				t.Errorf("Modes = %v, want %v", c.Modes, tc.modes)
+			}
+			if c.Floor != tc.floor {
+				t.Errorf("Floor = %v, want %v", c.Floor, tc.floor)
+			}
+		})
+	}
+}
+
+func TestFloorLine(t *testing.T) {
+	f := FloorResult{Services: 10000, Changes: 60, CPUP50Ms: 0.25, CPUMeanMs: 0.3, ChildCPUP50Ms: 0.5, SwitchesP50: 3}
+	for _, tc := range []struct {
+		name string
+		r    *Result
+		want string
+	}{
+		{name: "alone", want: "floor, 10000 Services: own CPU p50 0.25 ms (mean 0.30), its nft's 0.50 ms, 3 switches, over 60 changes"},
+		{name: "beside kproxy", r: &Result{CPUP50Ms: 0.5, ChildCPUP50Ms: 0.75, ShareP50: 0.4},
+			want: "floor, 10000 Services: own CPU p50 0.25 ms (mean 0.30), its nft's 0.50 ms, 3 switches, over 60 changes; " +
+				"with kproxy's nft (0.75 ms) its share would be 25.0%, kproxy's is 40.0% (own CPU p50 0.50 ms)"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := FloorLine(f, tc.r); got != tc.want {
+				t.Errorf("FloorLine =\n%s\nwant\n%s", got, tc.want)
 			}
 		})
 	}
