@@ -99,8 +99,8 @@ topology-aware routing.`,
 			if o.Cleanup {
 				return RunCleanup(ctx, o)
 			}
-			setGCDefaults(klog.FromContext(ctx), os.LookupEnv)
-			return Run(ctx, o)
+			gc := setGCDefaults(klog.FromContext(ctx), os.LookupEnv, nil)
+			return run(ctx, o, runDeps{gc: gc})
 		},
 	}
 	o.AddFlags(cmd.Flags())
@@ -155,6 +155,9 @@ func Run(ctx context.Context, o *Options) error { return run(ctx, o, runDeps{}) 
 // runDeps are Run's connections to the API server and the kernel; a nil
 // field means the real one. Tests replace them.
 type runDeps struct {
+	// gc, when set, holds the collector's start-up target until every
+	// engine's first sync (gc.go); nil leaves the collector alone.
+	gc                   *gcTuner
 	client               kubernetes.Interface
 	metadataClient       metadata.Interface // other nodes' labels; set it with client
 	iptables             map[v1.IPFamily]ipt.Interface
@@ -381,7 +384,10 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 				health.QueuedUpdate(fam)
 				m.SyncQueued(fam, at)
 			},
-			OnSync: func(r proxier.SyncResult) { afterSync(r, m, health, svcHealth) },
+			OnSync: func(r proxier.SyncResult) {
+				afterSync(r, m, health, svcHealth)
+				deps.gc.synced(r)
+			},
 			// A sync loop stuck in a sync makes health fail.
 			OnLoopRan: func(time.Time) { health.SyncLoopRan(fam) },
 			// Stale UDP conntrack entries and Service events; the events
@@ -396,6 +402,7 @@ func run(ctx context.Context, o *Options, deps runDeps) error {
 		engines[fam] = e
 		allEngines = append(allEngines, e)
 	}
+	deps.gc.await(sets.KeySet(engines))
 	var p proxier.Proxier = engines[v1.IPv4Protocol]
 	if v6, ok := engines[v1.IPv6Protocol]; ok {
 		p = proxier.NewMetaProxier(engines[v1.IPv4Protocol], v6)
