@@ -26,7 +26,7 @@ import (
 // handlers: a resync would replay the released objects.
 type EndpointSliceConfig struct {
 	logger   klog.Logger
-	synced   cache.InformerSynced
+	synced   cache.DoneChecker
 	handlers handlerSet[EndpointSliceHandler]
 
 	// mu guards released: the cached slices whose endpoints were
@@ -47,7 +47,7 @@ func NewEndpointSliceConfig(ctx context.Context, informer discoveryinformers.End
 	if err != nil {
 		return nil, fmt.Errorf("registering EndpointSlice event handler: %w", err)
 	}
-	c.synced = registration.HasSynced
+	c.synced = registration.HasSyncedChecker()
 	return c, nil
 }
 

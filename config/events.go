@@ -92,8 +92,16 @@ func (s *handlerSet[H]) snapshot() []H {
 	return s.handlers[:len(s.handlers):len(s.handlers)]
 }
 
-// waitForSync blocks until synced reports true or ctx ends; it reports
-// whether the cache synced.
-func waitForSync(ctx context.Context, logger klog.Logger, synced cache.InformerSynced) bool {
-	return cache.WaitForNamedCacheSyncWithContext(klog.NewContext(ctx, logger), synced)
+// waitForSync blocks until synced is done or ctx ends; it reports whether
+// the cache synced. It waits on the registration's channel (cache.WaitFor),
+// not by polling HasSynced: the poll (cache.WaitForNamedCacheSync, every
+// 100 ms) added 50 ms on average between the last object delivered and the
+// first sync.
+func waitForSync(ctx context.Context, logger klog.Logger, synced cache.DoneChecker) bool {
+	logger.Info("Waiting for caches to sync")
+	if !cache.WaitFor(ctx, "", synced) {
+		return false
+	}
+	logger.Info("Caches are synced")
+	return true
 }

@@ -16,7 +16,7 @@ import (
 // only; the other nodes' labels come from OtherNodesConfig.
 type NodeConfig struct {
 	logger   klog.Logger
-	synced   cache.InformerSynced
+	synced   cache.DoneChecker
 	handlers handlerSet[NodeHandler]
 }
 
@@ -28,7 +28,7 @@ func NewNodeConfig(ctx context.Context, informer coreinformers.NodeInformer, res
 	if err != nil {
 		return nil, fmt.Errorf("registering Node event handler: %w", err)
 	}
-	c.synced = registration.HasSynced
+	c.synced = registration.HasSyncedChecker()
 	return c, nil
 }
 

@@ -21,7 +21,7 @@ import (
 // so handlers see a consistent stream.
 type ServiceConfig struct {
 	logger   klog.Logger
-	synced   cache.InformerSynced
+	synced   cache.DoneChecker
 	handlers handlerSet[ServiceHandler]
 }
 
@@ -37,7 +37,7 @@ func NewServiceConfig(ctx context.Context, informer coreinformers.ServiceInforme
 	}
 	// The registration, unlike the informer, only reports synced once every
 	// object of the initial list has been handed to this handler.
-	c.synced = registration.HasSynced
+	c.synced = registration.HasSyncedChecker()
 	return c, nil
 }
 
